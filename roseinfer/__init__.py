@@ -1,0 +1,7 @@
+"""roseinfer: an LLM inference engine built stage by stage, for reading."""
+
+from roseinfer.engine import InferenceEngine
+from roseinfer.loader import DEFAULT_MODEL
+
+__all__ = ["DEFAULT_MODEL", "InferenceEngine"]
+__version__ = "0.1.0"

@@ -1,0 +1,99 @@
+"""Find a model (bundled, local directory or Hugging Face Hub id) and load its weights."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from roseinfer.model import GPT2, GPT2Config
+
+DEFAULT_MODEL = str(Path(__file__).parent / "models" / "tiny-shakespeare")
+
+# Hugging Face's GPT-2 stores these four as Conv1D ([in, out]); nn.Linear wants [out, in].
+_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+_HUB_FILES = ["config.json", "model.safetensors", "pytorch_model.bin", "tokenizer.tiktoken"]
+
+
+def resolve_model_dir(model: str | os.PathLike | None) -> Path:
+    """None -> the bundled model; an existing directory -> itself; else a Hub id to download."""
+    if model is None:
+        return Path(DEFAULT_MODEL)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model directory {str(path)!r} has no config.json")
+        return path
+    looks_like_path = str(model).startswith((".", "/", "~")) or str(model).count("/") > 1 or path.exists()
+    if looks_like_path:
+        raise FileNotFoundError(f"model path {str(model)!r} does not exist (or is not a directory)")
+    return _download_from_hub(str(model))
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))
+    except Exception as e:  # offline, unknown repo, gated repo ...
+        raise OSError(
+            f"could not load model {repo_id!r}: it is not a local directory and downloading it "
+            f"from the Hugging Face Hub failed ({type(e).__name__}: {e}). Pass a local model "
+            f"directory, or run once with internet access to fill the Hub cache."
+        ) from e
+
+
+def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Read model.safetensors (preferred) or pytorch_model.bin."""
+    if (model_dir / "model.safetensors").exists():
+        from safetensors.torch import load_file
+
+        return load_file(model_dir / "model.safetensors")
+    if (model_dir / "pytorch_model.bin").exists():
+        return torch.load(model_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"no model.safetensors or pytorch_model.bin in {str(model_dir)!r}")
+
+
+def load_model(model: str | os.PathLike | None, device: torch.device, dtype: torch.dtype) -> tuple[GPT2, Path]:
+    """Return (model in eval mode on `device` in `dtype`, the directory it came from)."""
+    model_dir = resolve_model_dir(model)
+    cfg = GPT2Config.from_hf(json.loads((model_dir / "config.json").read_text()))
+    sd = load_state_dict(model_dir)
+    ours = {}
+    for name, w in sd.items():
+        name = name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name
+        if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":
+            continue  # old causal-mask buffers; the LM head is tied to wte
+        ours[name] = w.t() if name.endswith(_CONV1D) else w
+    net = GPT2(cfg)
+    missing, unexpected = net.load_state_dict(ours, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint in {str(model_dir)!r} does not fit GPT-2: missing={missing} unexpected={unexpected}"
+        )
+    return net.to(device=device, dtype=dtype).eval(), model_dir
+
+
+def pick_device(device: str | torch.device = "auto") -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
+    return device
+
+
+def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """None -> float32 on CPU, float16 on CUDA. Strings like 'bfloat16' or 'fp16' work too."""
+    if dtype is None:
+        return torch.float16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}  # fmt: skip
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(names)}")
+    return names[dtype]

@@ -1,0 +1,30 @@
+# shellcheck shell=bash
+# Create .venv and install roseinfer's dependencies, once. Sourced by ./generate.sh,
+# ./scripts/test.sh and the other stage scripts; later runs only check a stamp file.
+#
+#   1. python3.11 -m venv .venv           (ROSEINFER_VENV overrides the location)
+#   2. pip install torch==2.13.0          (first, and only if torch is missing)
+#   3. pip install -r requirements.txt -c scripts/constraints.txt
+#   4. pip install --no-deps -e .
+_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${ROSEINFER_VENV:-$_root/.venv}"
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
+_stamp_want="$(cat "$_root/requirements.txt" "$_root/scripts/constraints.txt" "$_root/pyproject.toml" | sha256sum | cut -c1-16)"
+_stamp_have="$(cat "$VENV/.roseinfer-setup" 2>/dev/null || true)"
+if [ ! -x "$VENV/bin/python" ] || [ "$_stamp_want" != "$_stamp_have" ]; then
+  _py="${PYTHON:-$(command -v python3.11 || command -v python3)}"
+  if [ ! -x "$VENV/bin/python" ]; then
+    echo "[setup] creating $VENV with $("$_py" --version)" >&2
+    "$_py" -m venv "$VENV"
+  fi
+  if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+    echo "[setup] installing torch==2.13.0 (first, so nothing pulls a CUDA build)" >&2
+    "$VENV/bin/python" -m pip install -q torch==2.13.0
+  fi
+  echo "[setup] installing requirements.txt (constraint: torch==2.13.0)" >&2
+  "$VENV/bin/python" -m pip install -q -r "$_root/requirements.txt" -c "$_root/scripts/constraints.txt"
+  "$VENV/bin/python" -m pip install -q --no-deps -e "$_root"
+  echo "$_stamp_want" > "$VENV/.roseinfer-setup"
+  echo "[setup] done" >&2
+fi
+unset _root _stamp_want _stamp_have _py

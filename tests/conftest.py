@@ -1,0 +1,74 @@
+"""Shared fixtures: the bundled model, its HF twin, and small random checkpoints."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from roseinfer import DEFAULT_MODEL
+
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+PROMPTS = [
+    "Romeo.\n",
+    "First Citizen.\nBefore we proceed any further, hear me speak.\n",
+    "KING.",
+    "O, what a rogue and peasant slave am I!",
+    "Enter Hamlet, reading.\n\nPolonius.\nWhat do you read, my lord?\n\nHamlet.\nWords, words, words.\n",
+    "To be, or not to be",
+    "\n",
+    "The quality of mercy is not strain'd;\nIt droppeth as the gentle rain from heaven\n",
+]
+
+
+@pytest.fixture(scope="session")
+def engine():
+    from roseinfer import InferenceEngine
+
+    return InferenceEngine(DEFAULT_MODEL, device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    from transformers import GPT2LMHeadModel
+
+    return GPT2LMHeadModel.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Hugging Face `generate`, greedy, fp32: the reference every stage must match."""
+    x = torch.tensor([prompt_ids])
+    eos = hf_model.config.eos_token_id
+    out = hf_model.generate(
+        x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=eos
+    )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def make_random_checkpoint(path: Path, seed: int = 0, safetensors: bool = True, **overrides) -> Path:
+    """Save a small random GPT-2 in HF format (plus the bundled tokenizer) to `path`."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=4096, n_positions=64, n_embd=64, n_layer=2, n_head=4, bos_token_id=4095, eos_token_id=4095)
+    kw.update(overrides)
+    model = GPT2LMHeadModel(GPT2Config(**kw)).eval()
+    path.mkdir(parents=True, exist_ok=True)
+    if safetensors:
+        model.save_pretrained(path)
+    else:  # the old format, as the original `gpt2` repo: GPT2Model keys + a causal-mask buffer
+        model.config.save_pretrained(path)
+        sd = {k.removeprefix("transformer."): v for k, v in model.state_dict().items()}
+        sd["h.0.attn.bias"] = torch.tril(torch.ones(kw["n_positions"], kw["n_positions"]))[None, None]
+        torch.save(sd, path / "pytorch_model.bin")
+    shutil.copy(Path(DEFAULT_MODEL) / "tokenizer.tiktoken", path / "tokenizer.tiktoken")
+    return path
+
+
+@pytest.fixture(scope="session")
+def random_model_dir(tmp_path_factory) -> Path:
+    return make_random_checkpoint(tmp_path_factory.mktemp("random-gpt2"))
