@@ -10,6 +10,7 @@ naive loop would call it, and plot it.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -40,7 +41,7 @@ def main() -> None:
     n_ctx = eng.config.n_positions
     lengths = [1, 16, 32, 64, 96, 128, 192, 256, 320, 384, 448, n_ctx - 1]
     ms = [1000 * time_forward(eng.model, T, args.repeats) for T in lengths]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, model {args.model}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, model {os.path.relpath(args.model)}")
     print(f"{'sequence length':>16} {'ms per new token':>17}")
     for T, m in zip(lengths, ms, strict=True):
         print(f"{T:>16} {m:>17.2f}")

@@ -27,4 +27,6 @@ if [ ! -x "$VENV/bin/python" ] || [ "$_stamp_want" != "$_stamp_have" ]; then
   echo "$_stamp_want" > "$VENV/.roseinfer-setup"
   echo "[setup] done" >&2
 fi
+# Scripts and tests import *this* checkout's roseinfer (also in a stage worktree).
+export PYTHONPATH="$_root${PYTHONPATH:+:$PYTHONPATH}"
 unset _root _stamp_want _stamp_have _py

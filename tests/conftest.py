@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,15 @@ import torch
 from roseinfer import DEFAULT_MODEL
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_python(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `python ARGS...` from the repo root with this checkout's roseinfer importable."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO, env=env)
+
 
 PROMPTS = [
     "Romeo.\n",

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from conftest import PROMPTS, hf_greedy, make_random_checkpoint
+from conftest import PROMPTS, hf_greedy, make_random_checkpoint, run_python
 
 from roseinfer import DEFAULT_MODEL, InferenceEngine
 from roseinfer.loader import load_model
@@ -125,14 +121,25 @@ def test_stops_at_context_limit(tmp_path):
     assert len(eng.generate_ids(prompt, max_new_tokens=50)) <= 32 - 29
 
 
-def test_stops_at_eos(engine, monkeypatch):
-    # Force the model to always prefer EOS: generation must stop after one token.
-    bias = torch.zeros(engine.config.vocab_size)
-    bias[engine.eos_token_id] = 1e4
-    orig = engine.model.forward
-    monkeypatch.setattr(engine.model, "forward", lambda ids, pos=None: orig(ids, pos) + bias)
-    assert engine.generate_ids([1, 2, 3], max_new_tokens=10) == [engine.eos_token_id]
-    assert engine.generate("Romeo.", max_new_tokens=10) == ""
+def eos_always_checkpoint(path):
+    """A checkpoint whose every next-token argmax is EOS: ln_f outputs a constant vector
+    (weight 0, bias = the EOS embedding), and the EOS embedding is made long."""
+    from safetensors.torch import load_file, save_file
+
+    make_random_checkpoint(path)
+    sd = load_file(path / "model.safetensors")
+    eos = 4095
+    sd["transformer.wte.weight"][eos] = 10 * torch.randn(sd["transformer.wte.weight"].shape[1])
+    sd["transformer.ln_f.weight"].zero_()
+    sd["transformer.ln_f.bias"].copy_(sd["transformer.wte.weight"][eos])
+    save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def test_stops_at_eos(tmp_path):
+    eng = InferenceEngine(eos_always_checkpoint(tmp_path / "m"), device="cpu")
+    assert eng.generate_ids([1, 2, 3], max_new_tokens=10) == [eng.eos_token_id]
+    assert eng.generate("Romeo.", max_new_tokens=10) == ""
 
 
 @pytest.mark.parametrize(
@@ -158,9 +165,8 @@ def test_unknown_model_path():
         InferenceEngine("./no/such/model", device="cpu")
 
 
-def _run_cli(*args, env=None):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "roseinfer.generate", *args], capture_output=True, text=True, env=env)
+def _run_cli(*args):
+    return run_python("-m", "roseinfer.generate", *args)
 
 
 def test_cli_smoke():
