@@ -2,6 +2,7 @@
 
 from roseinfer.engine import InferenceEngine
 from roseinfer.loader import DEFAULT_MODEL
+from roseinfer.sampling import SamplingParams
 
-__all__ = ["DEFAULT_MODEL", "InferenceEngine"]
+__all__ = ["DEFAULT_MODEL", "InferenceEngine", "SamplingParams"]
 __version__ = "0.1.0"

@@ -1,20 +1,29 @@
 """The inference engine: turn a prompt into a continuation, one token at a time.
 
-Stage 01 is the naive loop. Every step feeds the *whole* sequence so far through the
-model and keeps only the last position's logits:
+Naive loop (stage 01, still here with use_kv_cache=False): every step feeds the *whole*
+sequence through the model and keeps only the last position's logits:
 
     step 1:  [p0 p1 p2]          -> t3
-    step 2:  [p0 p1 p2 t3]       -> t4
-    step 3:  [p0 p1 p2 t3 t4]    -> t5      (work grows with length: O(n²) overall)
+    step 2:  [p0 p1 p2 t3]       -> t4      (work grows with length: O(n²) overall)
+
+KV cache (stage 02): one `prefill` over the prompt keeps every layer's keys and values;
+each `decode_step` then feeds only the newest token, at its exact position:
+
+    prefill:  [p0 p1 p2]  -> t3, cache K/V(p0..p2)
+    decode:   [t3] @ pos 3 -> t4, cache += K/V(t3)
+    decode:   [t4] @ pos 4 -> t5, cache += K/V(t4)
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import torch
 
+from roseinfer.detokenizer import Detokenizer
 from roseinfer.loader import load_model, pick_device, pick_dtype
+from roseinfer.sampling import SamplingParams, sample
 from roseinfer.tokenizer import Tokenizer
 
 
@@ -24,7 +33,9 @@ class InferenceEngine:
         model: str | os.PathLike | None = None,
         device: str | torch.device = "auto",
         dtype: str | torch.dtype | None = None,
+        use_kv_cache: bool = True,
     ):
+        self.use_kv_cache = use_kv_cache
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
         self.model, self.model_dir = load_model(model, self.device, self.dtype)
@@ -57,38 +68,63 @@ class InferenceEngine:
 
     # ---- generation ---------------------------------------------------------------
     @torch.inference_mode()
+    def token_stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
+        """Yield new token ids one by one. Ends after EOS or a stop token id (both yielded),
+        `params.max_tokens`, or when the context is full."""
+        gen = params.make_generator(self.device)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else {self.eos_token_id})
+        ids = list(prompt_ids)
+        kv = None
+        for _ in range(params.max_tokens):
+            if len(ids) >= self.config.n_positions:
+                return  # the context is full
+            if not self.use_kv_cache:  # naive: the whole sequence again
+                logits = self.model(torch.tensor([ids], device=self.device))[:, -1]  # [1, V]
+            elif kv is None:  # prefill: the whole prompt once, keep its K/V
+                logits, kv = self.model.prefill(torch.tensor([ids], device=self.device))
+                logits = logits[:, -1]  # [1, V]
+            else:  # decode: only the newest token, at its exact position
+                token = torch.tensor([ids[-1]], device=self.device)
+                position = torch.tensor([len(ids) - 1], device=self.device)
+                logits, kv = self.model.decode_step(token, position, kv)  # [1, V]
+            next_id = sample(logits, [params], [gen]).item()
+            ids.append(next_id)
+            yield next_id
+            if next_id in stop_ids:
+                return
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield text deltas as tokens arrive; stop strings end the stream and are not emitted."""
+        params = params or SamplingParams()
+        prompt_ids = self.encode_prompt(prompt)
+        detok = Detokenizer(self.tokenizer, params.stop, skip_token_ids={self.eos_token_id})
+        for token_id in self.token_stream(prompt_ids, params):
+            delta = detok.step(token_id)
+            if delta:
+                yield delta
+            if detok.stopped:
+                return
+        tail = detok.flush()
+        if tail:
+            yield tail
+
     def generate_ids(
         self, prompt_ids: list[int], max_new_tokens: int = 64, temperature: float = 0.0, seed: int | None = None
     ) -> list[int]:
         """Return the new token ids (an EOS, if produced, is the last one)."""
+        params = self._params(max_new_tokens, temperature, seed)
+        return list(self.token_stream(self.encode_prompt(prompt_ids), params))
+
+    def generate(
+        self, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, seed: int | None = None, **sampling
+    ) -> str:
+        """Return the continuation of `prompt` as text (without the prompt and without EOS).
+
+        Extra keyword arguments are SamplingParams fields (top_k, top_p, stop, ...)."""
+        return "".join(self.stream(prompt, self._params(max_new_tokens, temperature, seed, **sampling)))
+
+    @staticmethod
+    def _params(max_new_tokens, temperature, seed, **sampling) -> SamplingParams:
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
-        prompt_ids = self.encode_prompt(prompt_ids)
-        gen = torch.Generator(device=self.device)
-        if seed is not None:
-            gen.manual_seed(seed)
-        else:
-            gen.seed()
-        ids = torch.tensor([prompt_ids], device=self.device)  # [1, T]
-        new: list[int] = []
-        while len(new) < max_new_tokens and ids.shape[1] < self.config.n_positions:
-            logits = self.model(ids)[:, -1, :].float()  # the whole sequence again; keep the last row: [1, V]
-            if temperature == 0:
-                next_id = logits.argmax(dim=-1, keepdim=True)  # greedy: [1, 1]
-            else:
-                probs = torch.softmax(logits / temperature, dim=-1)
-                next_id = torch.multinomial(probs, 1, generator=gen)  # [1, 1]
-            ids = torch.cat([ids, next_id], dim=1)
-            new.append(next_id.item())
-            if new[-1] == self.eos_token_id:
-                break
-        return new
-
-    def generate(self, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, seed: int | None = None) -> str:
-        """Return the continuation of `prompt` as text (without the prompt and without EOS)."""
-        new = self.generate_ids(self.encode_prompt(prompt), max_new_tokens, temperature, seed)
-        if new and new[-1] == self.eos_token_id:
-            new = new[:-1]
-        return self.tokenizer.decode(new)
+        return SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed, **sampling)

@@ -1,4 +1,4 @@
-"""Command line: `python -m roseinfer.generate --prompt "ROMEO:"`."""
+"""Command line: `python -m roseinfer.generate --prompt "Romeo."` streams a continuation."""
 
 from __future__ import annotations
 
@@ -14,8 +14,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default=None, help="model directory or Hub id (default: the bundled model)")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    ap.add_argument("--top-k", type=int, default=40, help="-1 = no top-k filter")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--no-kv-cache", action="store_true", help="the naive stage-01 loop")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: fp32 on CPU)")
     return ap
@@ -23,19 +28,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from roseinfer.detokenizer import Detokenizer
     from roseinfer.engine import InferenceEngine
+    from roseinfer.sampling import SamplingParams
 
     try:
-        engine = InferenceEngine(args.model, device=args.device, dtype=args.dtype)
-        t0 = time.perf_counter()
-        ids = engine.generate_ids(engine.encode_prompt(args.prompt), args.max_new_tokens, args.temperature, args.seed)
+        params = SamplingParams(
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, max_tokens=args.max_new_tokens,
+            seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+        )  # fmt: skip
+        engine = InferenceEngine(args.model, device=args.device, dtype=args.dtype, use_kv_cache=not args.no_kv_cache)
+        prompt_ids = engine.encode_prompt(args.prompt)
     except (ValueError, TypeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # engine.stream() does exactly this loop; we unroll it here to count tokens.
+    detok = Detokenizer(engine.tokenizer, params.stop, skip_token_ids={engine.eos_token_id})
+    print(args.prompt, end="", flush=True)
+    t0, n = time.perf_counter(), 0
+    for token_id in engine.token_stream(prompt_ids, params):
+        n += 1
+        print(detok.step(token_id), end="", flush=True)  # each delta as soon as it is final
+        if detok.stopped:
+            break
+    print(detok.flush(), end="")
     dt = time.perf_counter() - t0
-    text = engine.tokenizer.decode([t for t in ids if t != engine.eos_token_id])
-    print(args.prompt + text)
-    print(f"\n[{len(ids)} tokens in {dt:.2f}s, {len(ids) / dt:.1f} tokens/s, no KV cache]", file=sys.stderr)
+    mode = "naive, no KV cache" if args.no_kv_cache else "KV cache"
+    print(f"\n\n[{n} tokens in {dt:.2f}s, {n / dt:.1f} tokens/s, {mode}]", file=sys.stderr)
     return 0
 
 

@@ -19,6 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+KV = tuple[torch.Tensor, torch.Tensor]  # one layer's (keys, values), each [B, H, T, D]
+
 
 @dataclass
 class GPT2Config:
@@ -61,17 +63,26 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # q, k, v in one matmul
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, past: KV | None = None) -> tuple[torch.Tensor, KV]:
+        """x [B, T, C]; `past` holds the K/V of earlier tokens ([B, H, T_past, D] each).
+
+        Returns the output [B, T, C] and this layer's K/V including the new tokens.
+        """
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 × [B, T, C]
         # split C into heads: [B, T, C] -> [B, H, T, D]
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = k.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        if past is not None:
+            # Decode: one new token attends to every cached token and to itself, so no causal mask is needed.
+            assert T == 1, "with a KV cache, feed one token at a time"
+            k = torch.cat([past[0], k], dim=2)  # [B, H, T_past + 1, D]
+            v = torch.cat([past[1], v], dim=2)
         # softmax(q kᵀ / √D) v, where token t may only look at tokens ≤ t
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, D]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=past is None)  # [B, H, T, D]
         y = y.transpose(1, 2).reshape(B, T, C)  # merge heads back: [B, T, C]
-        return self.c_proj(y)
+        return self.c_proj(y), (k, v)
 
 
 class MLP(nn.Module):
@@ -93,9 +104,10 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+    def forward(self, x: torch.Tensor, past: KV | None = None) -> tuple[torch.Tensor, KV]:
+        a, kv = self.attn(self.ln_1(x), past)
+        x = x + a
+        return x + self.mlp(self.ln_2(x)), kv
 
 
 class GPT2(nn.Module):
@@ -111,14 +123,34 @@ class GPT2(nn.Module):
             )
         )
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, past: list[KV] | None = None
+    ) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V]. Positions default to 0..T-1."""
+        return self._run(input_ids, position_ids, past)[0]
+
+    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:
+        """Run the whole prompt once. input_ids [B, T] -> (logits [B, T, V], per-layer K/V [B, H, T, D])."""
+        return self._run(input_ids, None, None)
+
+    def decode_step(
+        self, token_ids: torch.Tensor, position_ids: torch.Tensor, past: list[KV]
+    ) -> tuple[torch.Tensor, list[KV]]:
+        """One new token per sequence: token_ids [B], position_ids [B] -> (logits [B, V], K/V grown by one)."""
+        logits, kv = self._run(token_ids[:, None], position_ids[:, None], past)
+        return logits[:, -1], kv
+
+    def _run(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, past: list[KV] | None
+    ) -> tuple[torch.Tensor, list[KV]]:
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         tr = self.transformer
         x = tr.wte(input_ids) + tr.wpe(position_ids)  # [B, T, C]
-        for block in tr.h:
-            x = block(x)
+        new_kv = []
+        for i, block in enumerate(tr.h):
+            x, kv = block(x, None if past is None else past[i])
+            new_kv.append(kv)
         x = tr.ln_f(x)
-        return F.linear(x, tr.wte.weight)  # tied LM head: [B, T, C] @ [C, V] -> [B, T, V]
+        return F.linear(x, tr.wte.weight), new_kv  # tied LM head: [B, T, C] @ [C, V] -> [B, T, V]

@@ -1,0 +1,107 @@
+"""Sampling: SamplingParams (vLLM's names) and a vectorised sampler over a [B, V] batch.
+
+How one row's next token is chosen:
+
+    logits ─► ÷ temperature ─► softmax ─► sort ↓ ─► keep top_k ─► keep top_p mass ─► draw u ~ U(0,1)
+                                                                                    pick where CDF ≥ u·mass
+
+temperature 0 means greedy (argmax). Each request owns a `torch.Generator`, so the same
+seed gives the same text every run, whatever else is in the batch: the only per-row work
+is drawing that row's one uniform number; the math runs on the whole batch at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop (field names as in vLLM)."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = -1  # -1 = all tokens
+    top_p: float = 1.0  # keep the smallest set of tokens whose probability mass is >= top_p
+    max_tokens: int = 16  # new tokens at most
+    seed: int | None = None  # None = a fresh random seed
+    stop: list[str] = field(default_factory=list)  # stop strings (not included in the output)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False  # keep going after EOS (benchmarks use it for exact lengths)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        stop, ids = self.stop or [], self.stop_token_ids or []
+        _check(isinstance(stop, (list, tuple)), f"stop must be a string or a list of strings, got {stop!r}")
+        _check(isinstance(ids, (list, tuple)), f"stop_token_ids must be a list of ints, got {ids!r}")
+        self.stop, self.stop_token_ids = list(stop), list(ids)
+        num = (int, float)
+        t, k, p, n = self.temperature, self.top_k, self.top_p, self.max_tokens
+        _check(isinstance(t, num) and not isinstance(t, bool), f"temperature must be a number, got {t!r}")
+        _check(t >= 0, f"temperature must be >= 0 (0 means greedy), got {t}")
+        _check(_is_int(k) and (k == -1 or k >= 1), f"top_k must be -1 (disabled) or an int >= 1, got {k!r}")
+        _check(isinstance(p, num) and 0 < p <= 1, f"top_p must be in (0, 1], got {p!r}")
+        _check(_is_int(n) and n >= 1, f"max_tokens must be an int >= 1, got {n!r}")
+        _check(self.seed is None or _is_int(self.seed), f"seed must be an int or None, got {self.seed!r}")
+        for s in self.stop:
+            _check(isinstance(s, str) and s != "", f"stop must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            _check(_is_int(t) and t >= 0, f"stop_token_ids must be ints >= 0, got {t!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """The request's own random stream: seeded if `seed` is set, else from OS entropy."""
+        g = torch.Generator(device=device)
+        if self.seed is None:
+            g.seed()
+        else:
+            g.manual_seed(self.seed)
+        return g
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+def sample(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]
+) -> torch.Tensor:
+    """Pick one token per row. logits [B, V] -> token ids [B] (int64).
+
+    Rows may use different params. Greedy rows take the argmax; the others go through
+    temperature, top-k and top-p filtering and inverse-CDF sampling with their own generator.
+    """
+    B, V = logits.shape
+    logits = logits.float()
+    greedy_ids = logits.argmax(dim=-1)  # [B]
+    if all(p.greedy for p in params):
+        return greedy_ids
+    dev = logits.device
+    temp = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=dev)  # [B]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else V for p in params], device=dev)  # [B]
+    top_p = torch.tensor([p.top_p for p in params], device=dev)  # [B]
+    # one uniform number per row, from that row's own generator (the only per-row loop)
+    u = torch.cat([torch.rand(1, generator=g, device=g.device) for g in generators]).to(dev)  # [B]
+
+    probs = torch.softmax(logits / temp[:, None], dim=-1)  # [B, V]
+    probs, order = probs.sort(dim=-1, descending=True)  # [B, V], most likely first
+    rank = torch.arange(V, device=dev)[None, :]  # [1, V]
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of all more-likely tokens
+    keep = (rank < top_k[:, None]) & (mass_before < top_p[:, None])  # top-1 is always kept
+    probs = probs * keep  # [B, V], filtered (not renormalised: we scale u instead)
+    cdf = probs.cumsum(dim=-1)  # [B, V]
+    pos = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_(max=V - 1)  # [B, 1]
+    sampled_ids = order.gather(1, pos)[:, 0]  # back to vocabulary ids: [B]
+    is_greedy = torch.tensor([p.greedy for p in params], device=dev)
+    return torch.where(is_greedy, greedy_ids, sampled_ids)

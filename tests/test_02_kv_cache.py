@@ -1,0 +1,198 @@
+"""Stage 02: KV cache == naive == HF; sampling filters; streaming detokenizer; stop conditions."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import PROMPTS, hf_greedy, make_random_checkpoint, run_python
+from test_01_naive_decode import eos_always_checkpoint
+
+from roseinfer import InferenceEngine, SamplingParams
+from roseinfer.detokenizer import Detokenizer
+from roseinfer.sampling import sample
+
+
+@pytest.fixture(scope="module")
+def naive_engine():
+    return InferenceEngine(None, device="cpu", dtype=torch.float32, use_kv_cache=False)
+
+
+def test_kv_cache_greedy_equals_naive_equals_hf(engine, naive_engine, hf_model):
+    assert engine.use_kv_cache
+    for prompt in PROMPTS[:5]:
+        ids = engine.tokenizer.encode(prompt)
+        cached = engine.generate_ids(ids, max_new_tokens=64)
+        assert cached == naive_engine.generate_ids(ids, max_new_tokens=64), prompt
+        assert cached == hf_greedy(hf_model, ids, 64), prompt
+
+
+def test_prefill_and_decode_logits_equal_full_forward(engine):
+    model = engine.model
+    ids = torch.tensor([engine.tokenizer.encode(PROMPTS[1])])  # [1, T]
+    T = ids.shape[1]
+    with torch.no_grad():
+        full = model(ids)  # [1, T, V]
+        logits, kv = model.prefill(ids[:, : T - 5])
+        assert torch.allclose(logits, full[:, : T - 5], atol=1e-4)
+        assert kv[0][0].shape == (1, model.config.n_head, T - 5, model.config.head_dim)  # [B, H, T, D]
+        for t in range(T - 5, T):
+            step_logits, kv = model.decode_step(ids[:, t], torch.tensor([t]), kv)
+            assert torch.allclose(step_logits, full[:, t], atol=1e-4), t
+    assert kv[-1][1].shape[2] == T
+
+
+def test_kv_cache_on_a_random_checkpoint_matches_naive(tmp_path):
+    d = make_random_checkpoint(tmp_path / "m", seed=5, n_positions=48)
+    a = InferenceEngine(d, device="cpu").generate_ids([7, 8, 9], max_new_tokens=40)
+    b = InferenceEngine(d, device="cpu", use_kv_cache=False).generate_ids([7, 8, 9], max_new_tokens=40)
+    assert a == b and len(a) == 40
+
+
+# ---- sampling -------------------------------------------------------------------------
+def _draw(logits: torch.Tensor, params: SamplingParams, n: int) -> set[int]:
+    """Sample n times (as one batch of n rows with their own generators)."""
+    gens = [SamplingParams(seed=i).make_generator() for i in range(n)]
+    out = sample(logits.expand(n, -1), [params] * n, gens)
+    return set(out.tolist())
+
+
+def test_top_k_never_samples_outside_the_k_largest():
+    g = torch.Generator().manual_seed(0)
+    for k in (1, 3, 10):
+        logits = torch.randn(1, 100, generator=g)
+        allowed = set(logits[0].topk(k).indices.tolist())
+        got = _draw(logits, SamplingParams(temperature=2.0, top_k=k), 400)
+        assert got <= allowed
+        assert len(got) == k  # with 400 draws at temperature 2 every allowed token shows up
+
+
+def test_top_p_keeps_the_smallest_set_with_enough_mass():
+    probs = torch.tensor([0.05, 0.5, 0.15, 0.3])  # sorted: 1 (0.5), 3 (0.3), 2 (0.15), 0 (0.05)
+    logits = probs.log()[None]
+    assert _draw(logits, SamplingParams(top_p=0.5), 300) == {1}
+    assert _draw(logits, SamplingParams(top_p=0.79), 300) == {1, 3}
+    assert _draw(logits, SamplingParams(top_p=0.81), 300) == {1, 3, 2}
+    assert _draw(logits, SamplingParams(top_p=1.0), 600) == {0, 1, 2, 3}
+    assert _draw(logits, SamplingParams(top_p=0.9, top_k=1), 100) == {1}
+
+
+def test_sampled_frequencies_follow_the_distribution():
+    probs = torch.tensor([0.1, 0.6, 0.3])
+    n = 3000
+    gens = [SamplingParams(seed=i).make_generator() for i in range(n)]
+    out = sample(probs.log().expand(n, -1), [SamplingParams()] * n, gens)
+    freq = torch.bincount(out, minlength=3).float() / n
+    assert torch.allclose(freq, probs, atol=0.03)
+
+
+def test_greedy_rows_take_the_argmax():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=0)] * 4
+    assert sample(logits, params, [p.make_generator() for p in params]).tolist() == logits.argmax(-1).tolist()
+
+
+def test_same_seed_same_text_different_seed_different_text(engine):
+    kw = dict(max_new_tokens=40, temperature=1.5)
+    a = engine.generate("Romeo.\n", seed=11, **kw)
+    assert a == engine.generate("Romeo.\n", seed=11, **kw)
+    assert a != engine.generate("Romeo.\n", seed=12, **kw)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", -0.1),
+        ("temperature", "hot"),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_p", -1),
+        ("top_k", 0),
+        ("top_k", -2),
+        ("top_k", 2.5),
+        ("max_tokens", 0),
+        ("max_tokens", -3),
+        ("max_tokens", 1.5),
+        ("seed", "abc"),
+        ("stop", [""]),
+        ("stop", [3]),
+        ("stop", 3),
+        ("stop_token_ids", 7),
+        ("stop_token_ids", [-1]),
+    ],
+)
+def test_invalid_sampling_params_raise(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+# ---- streaming detokenizer ---------------------------------------------------------------
+def test_stream_concat_equals_full_decode_on_random_tokens(engine):
+    tok = engine.tokenizer
+    rng = random.Random(0)
+    emoji_ids = tok.encode("🌹🎭 naïve — 你好")
+    for trial in range(50):
+        ids = [rng.randrange(tok.vocab_size - 1) for _ in range(rng.randint(1, 40))]
+        pos = rng.randint(0, len(ids))
+        ids[pos:pos] = emoji_ids  # make sure multi-byte characters get split across tokens
+        detok = Detokenizer(tok)
+        text = "".join(detok.step(t) for t in ids) + detok.flush()
+        assert text == tok.decode(ids), trial
+
+
+def test_stream_never_emits_a_broken_character(engine):
+    tok = engine.tokenizer
+    ids = tok.encode("a rose 🌹 by any other name 🎭")
+    detok = Detokenizer(tok)
+    deltas = [detok.step(t) for t in ids]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) + detok.flush() == "a rose 🌹 by any other name 🎭"
+    assert "" in deltas  # some tokens completed no character yet
+
+
+def test_detokenizer_stop_string_split_across_tokens(engine):
+    tok = engine.tokenizer
+    text = "Enter the King.\nExit the Queen."
+    for stop in ["Exit", "King.\nEx", "\n"]:
+        detok = Detokenizer(tok, stop=[stop])
+        out = ""
+        for t in tok.encode(text):
+            out += detok.step(t)
+            if detok.stopped:
+                break
+        out += detok.flush()
+        assert detok.stopped and out == text[: text.index(stop)]
+
+
+def test_engine_stop_strings_and_stop_token_ids(engine):
+    full = engine.generate("Hamlet.\n", max_new_tokens=60)
+    assert "\n" in full
+    cut = engine.generate("Hamlet.\n", max_new_tokens=60, stop=["\n"])
+    assert cut == full[: full.index("\n")]
+    ids = engine.generate_ids(engine.tokenizer.encode("Hamlet.\n"), max_new_tokens=60)
+    params = SamplingParams(temperature=0, max_tokens=60, stop_token_ids=[ids[5]])
+    stopped = list(engine.token_stream(engine.tokenizer.encode("Hamlet.\n"), params))
+    assert stopped == ids[: ids.index(ids[5]) + 1]
+
+
+def test_stream_yields_several_deltas(engine):
+    deltas = list(engine.stream("Romeo.\n", SamplingParams(temperature=0, max_tokens=30)))
+    assert len(deltas) > 5
+    assert "".join(deltas) == engine.generate("Romeo.\n", max_new_tokens=30)
+
+
+def test_ignore_eos_keeps_going(tmp_path):
+    eng = InferenceEngine(eos_always_checkpoint(tmp_path / "m"), device="cpu")
+    ids = list(eng.token_stream([1, 2], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)))
+    assert ids == [eng.eos_token_id] * 7
+
+
+def test_cli_streams_with_and_without_kv_cache():
+    outs = []
+    for extra in ([], ["--no-kv-cache"]):
+        r = run_python("-m", "roseinfer.generate", "--max-new-tokens", "12", "--seed", "3", "--device", "cpu", *extra)
+        assert r.returncode == 0, r.stderr
+        assert ("naive" in r.stderr) == bool(extra)
+        outs.append(r.stdout)
+    assert outs[0] == outs[1]  # same seed, same logits: the cache changes speed, not text
