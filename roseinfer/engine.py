@@ -24,6 +24,7 @@ import torch
 from roseinfer.detokenizer import Detokenizer
 from roseinfer.loader import load_model, pick_device, pick_dtype
 from roseinfer.sampling import SamplingParams, sample
+from roseinfer.session import InferenceSession
 from roseinfer.tokenizer import Tokenizer
 
 
@@ -66,54 +67,58 @@ class InferenceEngine:
             )
         return ids
 
-    # ---- generation ---------------------------------------------------------------
+    # ---- sessions: one request's state, advanced one token at a time ------------------
+    def new_session(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> InferenceSession:
+        """Check the prompt and set up a request's state (raises ValueError/TypeError on bad input)."""
+        return InferenceSession(
+            request_id=request_id,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_ids=self.encode_prompt(prompt),
+            params=params,
+            generator=params.make_generator(self.device),
+            detokenizer=Detokenizer(self.tokenizer, params.stop, skip_token_ids={self.eos_token_id}),
+            eos_token_id=self.eos_token_id,
+            max_context=self.config.n_positions,
+        )
+
     @torch.inference_mode()
+    def step_session(self, session: InferenceSession) -> int:
+        """Advance one unfinished session by one token and return it."""
+        if not self.use_kv_cache:  # naive: the whole sequence again
+            ids = torch.tensor([session.prompt_ids + session.output_ids], device=self.device)
+            logits = self.model(ids)[:, -1]  # [1, V]
+        elif session.kv_cache is None:  # prefill: the whole prompt once, keep its K/V
+            logits, session.kv_cache = self.model.prefill(torch.tensor([session.prompt_ids], device=self.device))
+            logits = logits[:, -1]  # [1, V]
+        else:  # decode: only the newest token, at its exact position
+            token = torch.tensor([session.last_token_id], device=self.device)
+            position = torch.tensor([session.num_tokens - 1], device=self.device)
+            logits, session.kv_cache = self.model.decode_step(token, position, session.kv_cache)  # [1, V]
+        token_id = sample(logits, [session.params], [session.generator]).item()
+        session.append_token(token_id)
+        return token_id
+
+    # ---- one request at a time ----------------------------------------------------------
     def token_stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
         """Yield new token ids one by one. Ends after EOS or a stop token id (both yielded),
-        `params.max_tokens`, or when the context is full."""
-        gen = params.make_generator(self.device)
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else {self.eos_token_id})
-        ids = list(prompt_ids)
-        kv = None
-        for _ in range(params.max_tokens):
-            if len(ids) >= self.config.n_positions:
-                return  # the context is full
-            if not self.use_kv_cache:  # naive: the whole sequence again
-                logits = self.model(torch.tensor([ids], device=self.device))[:, -1]  # [1, V]
-            elif kv is None:  # prefill: the whole prompt once, keep its K/V
-                logits, kv = self.model.prefill(torch.tensor([ids], device=self.device))
-                logits = logits[:, -1]  # [1, V]
-            else:  # decode: only the newest token, at its exact position
-                token = torch.tensor([ids[-1]], device=self.device)
-                position = torch.tensor([len(ids) - 1], device=self.device)
-                logits, kv = self.model.decode_step(token, position, kv)  # [1, V]
-            next_id = sample(logits, [params], [gen]).item()
-            ids.append(next_id)
-            yield next_id
-            if next_id in stop_ids:
-                return
+        `params.max_tokens`, a stop string, or when the context is full."""
+        session = self.new_session("0", prompt_ids, params)
+        while not session.finished:
+            yield self.step_session(session)
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas as tokens arrive; stop strings end the stream and are not emitted."""
-        params = params or SamplingParams()
-        prompt_ids = self.encode_prompt(prompt)
-        detok = Detokenizer(self.tokenizer, params.stop, skip_token_ids={self.eos_token_id})
-        for token_id in self.token_stream(prompt_ids, params):
-            delta = detok.step(token_id)
-            if delta:
-                yield delta
-            if detok.stopped:
-                return
-        tail = detok.flush()
-        if tail:
-            yield tail
+        session = self.new_session("0", prompt, params or SamplingParams())
+        while not session.finished:
+            self.step_session(session)
+            if session.last_delta:
+                yield session.last_delta
 
     def generate_ids(
         self, prompt_ids: list[int], max_new_tokens: int = 64, temperature: float = 0.0, seed: int | None = None
     ) -> list[int]:
         """Return the new token ids (an EOS, if produced, is the last one)."""
-        params = self._params(max_new_tokens, temperature, seed)
-        return list(self.token_stream(self.encode_prompt(prompt_ids), params))
+        return list(self.token_stream(prompt_ids, self._params(max_new_tokens, temperature, seed)))
 
     def generate(
         self, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, seed: int | None = None, **sampling

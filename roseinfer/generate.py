@@ -28,7 +28,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from roseinfer.detokenizer import Detokenizer
     from roseinfer.engine import InferenceEngine
     from roseinfer.sampling import SamplingParams
 
@@ -42,16 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    # engine.stream() does exactly this loop; we unroll it here to count tokens.
-    detok = Detokenizer(engine.tokenizer, params.stop, skip_token_ids={engine.eos_token_id})
+    session = engine.new_session("0", prompt_ids, params)
     print(args.prompt, end="", flush=True)
-    t0, n = time.perf_counter(), 0
-    for token_id in engine.token_stream(prompt_ids, params):
-        n += 1
-        print(detok.step(token_id), end="", flush=True)  # each delta as soon as it is final
-        if detok.stopped:
-            break
-    print(detok.flush(), end="")
+    t0 = time.perf_counter()
+    while not session.finished:
+        engine.step_session(session)
+        print(session.last_delta, end="", flush=True)  # each delta as soon as it is final
+    n = len(session.output_ids)
     dt = time.perf_counter() - t0
     mode = "naive, no KV cache" if args.no_kv_cache else "KV cache"
     print(f"\n\n[{n} tokens in {dt:.2f}s, {n / dt:.1f} tokens/s, {mode}]", file=sys.stderr)

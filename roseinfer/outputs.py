@@ -1,0 +1,21 @@
+"""What `LLM.generate` returns for each prompt."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RequestOutput:
+    """What a caller gets back (the names of vLLM's RequestOutput, flattened)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" (EOS, stop token, stop string) | "length" | None while running
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

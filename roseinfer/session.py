@@ -1,0 +1,71 @@
+"""One request's state while it is being generated.
+
+A scheduler juggles many requests at once, so everything that belongs to one request
+lives here rather than in local variables of a loop: its prompt, the tokens generated so
+far, its KV cache, its SamplingParams and random generator, its streaming detokenizer,
+and whether (and why) it has finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from roseinfer.detokenizer import Detokenizer
+from roseinfer.model import KV
+from roseinfer.outputs import RequestOutput
+from roseinfer.sampling import SamplingParams
+
+
+@dataclass
+class InferenceSession:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    detokenizer: Detokenizer
+    eos_token_id: int
+    max_context: int  # the model's context length
+    output_ids: list[int] = field(default_factory=list)
+    kv_cache: list[KV] | None = None  # per layer (K, V) [1, H, T, D]; None until prefill
+    finish_reason: str | None = None
+    last_delta: str = ""  # the text that became final with the latest token (for streaming)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the sequence so far (prompt + generated)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    def append_token(self, token_id: int) -> None:
+        """Record a sampled token, stream it through the detokenizer, and decide whether we are done."""
+        self.output_ids.append(token_id)
+        self.last_delta = self.detokenizer.step(token_id)
+        p = self.params
+        hit_eos = token_id == self.eos_token_id and not p.ignore_eos
+        if hit_eos or token_id in p.stop_token_ids or self.detokenizer.stopped:
+            self.finish_reason = "stop"
+        elif len(self.output_ids) >= p.max_tokens or self.num_tokens >= self.max_context:
+            self.finish_reason = "length"
+        if self.finished:
+            self.last_delta += self.detokenizer.flush()
+            self.kv_cache = None  # give the memory back now, not when the caller drops us
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=list(self.prompt_ids),
+            text=self.detokenizer.text,
+            token_ids=list(self.output_ids),
+            finish_reason=self.finish_reason,
+        )
