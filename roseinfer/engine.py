@@ -21,11 +21,14 @@ from collections.abc import Iterator
 
 import torch
 
+from roseinfer.block_manager import BlockSpaceManager
 from roseinfer.detokenizer import Detokenizer
 from roseinfer.loader import load_model, pick_device, pick_dtype
 from roseinfer.sampling import SamplingParams, sample
 from roseinfer.session import InferenceSession
 from roseinfer.tokenizer import Tokenizer
+
+DEFAULT_KV_CACHE_MEMORY = 256 * 2**20  # bytes of K/V the block manager may hand out
 
 
 class InferenceEngine:
@@ -35,14 +38,32 @@ class InferenceEngine:
         device: str | torch.device = "auto",
         dtype: str | torch.dtype | None = None,
         use_kv_cache: bool = True,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
     ):
         self.use_kv_cache = use_kv_cache
+        self.block_size, self.num_blocks, self.kv_cache_memory = block_size, num_blocks, kv_cache_memory
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
         self.model, self.model_dir = load_model(model, self.device, self.dtype)
         self.config = self.model.config
         self.tokenizer = Tokenizer.from_model_dir(self.model_dir, self.config.vocab_size)
         self.eos_token_id = self.tokenizer.eos_token_id
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V, every layer: 2 · n_layer · n_embd · bytes per element."""
+        return 2 * self.config.n_layer * self.config.n_embd * self.dtype.itemsize
+
+    def make_block_manager(self) -> BlockSpaceManager:
+        """A block manager sized by `num_blocks`, or by `kv_cache_memory` bytes (default 256 MiB)."""
+        return BlockSpaceManager(
+            self.block_size,
+            self.num_blocks,
+            kv_cache_memory=self.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY,
+            bytes_per_token=self.kv_bytes_per_token,
+        )
 
     # ---- input checks -------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:

@@ -31,9 +31,17 @@ class LLM:
         model: str | os.PathLike | None = None,
         device: str | torch.device = "auto",
         dtype: str | torch.dtype | None = None,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
     ):
-        self.engine = InferenceEngine(model, device=device, dtype=dtype)
+        """`block_size`, `num_blocks` / `kv_cache_memory` (bytes) size the KV block pool."""
+        self.engine = InferenceEngine(
+            model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
+            kv_cache_memory=kv_cache_memory,
+        )  # fmt: skip
         self.tokenizer = self.engine.tokenizer
+        self.block_manager = self.engine.make_block_manager()
 
     def generate(
         self,
@@ -48,14 +56,15 @@ class LLM:
         """
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        scheduler = OfflineScheduler(self.engine)
+        scheduler = OfflineScheduler(self.engine, self.block_manager)
         ids = []
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             try:
                 ids.append(scheduler.add_request(prompt, p))
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from e
-        with tqdm(total=len(ids), desc="requests", unit="req", disable=not use_tqdm, dynamic_ncols=True) as bar:
+        bar = tqdm(total=len(ids), desc="requests", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        try:
             t0 = time.perf_counter()
             while scheduler.has_unfinished():
                 scheduler.step()
@@ -64,6 +73,9 @@ class LLM:
                     bar.update(sum(s.finished for s in sessions) - bar.n)
                     tok_s = sum(len(s.output_ids) for s in sessions) / (time.perf_counter() - t0)
                     bar.set_postfix_str(f"{tok_s:.1f} output tok/s", refresh=False)
+        finally:
+            bar.close()
+            scheduler.free_all()  # normally a no-op: finished requests already gave their blocks back
         return [scheduler.sessions[r].output() for r in ids]
 
 

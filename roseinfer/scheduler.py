@@ -10,41 +10,93 @@ its prefill, the next ones are single-token decodes:
 
 Requests take turns, but each forward pass still carries a single sequence, so the
 total work is the same as running them one after another. Stage 05 batches them.
+
+Stage 04 adds the block manager: a session's first turn allocates blocks for its
+prompt, each later turn one slot for the token it feeds, and a finished session gives
+its blocks back at once. A session that cannot get a block waits for a later step.
 """
 
 from __future__ import annotations
 
 import itertools
 
+from roseinfer.block_manager import AllocStatus, BlockSpaceManager
 from roseinfer.engine import InferenceEngine
 from roseinfer.outputs import RequestOutput
 from roseinfer.sampling import SamplingParams
 from roseinfer.session import InferenceSession
 
 
+class KVCacheFullError(RuntimeError):
+    pass
+
+
 class OfflineScheduler:
-    def __init__(self, engine: InferenceEngine):
+    def __init__(self, engine: InferenceEngine, block_manager: BlockSpaceManager | None = None, trace: bool = False):
         self.engine = engine
+        self.block_manager = block_manager or engine.make_block_manager()
         self.sessions: dict[str, InferenceSession] = {}  # insertion order = arrival order
+        self.trace: list[dict] | None = [] if trace else None  # block tables after each step
+        self.num_steps = 0
         self._ids = itertools.count()
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> str:
         """Check and queue a request; bad input raises here and leaves the queue untouched."""
         request_id = str(next(self._ids))
-        self.sessions[request_id] = self.engine.new_session(request_id, prompt, params or SamplingParams())
+        session = self.engine.new_session(request_id, prompt, params or SamplingParams())
+        bm = self.block_manager
+        if bm.can_allocate(len(session.prompt_ids)) is AllocStatus.NEVER:
+            raise ValueError(
+                f"prompt needs {bm.blocks_for(len(session.prompt_ids))} KV blocks of {bm.block_size} tokens, "
+                f"but the whole KV cache pool has {bm.num_blocks}"
+            )
+        self.sessions[request_id] = session
         return request_id
 
     def has_unfinished(self) -> bool:
         return any(not s.finished for s in self.sessions.values())
 
     def step(self) -> list[str]:
-        """Advance every unfinished session by one token; return the ids that ran."""
+        """Advance every unfinished session that can get its KV slots by one token; return the ids that ran."""
         ran = []
-        for session in self.sessions.values():
-            if not session.finished:
-                self.engine.step_session(session)
-                ran.append(session.request_id)
+        try:
+            for session in self.sessions.values():
+                if not session.finished and self._reserve_slots(session):
+                    self.engine.step_session(session)
+                    ran.append(session.request_id)
+                    if session.finished:
+                        self.block_manager.free(session.request_id)
+            if not ran and self.has_unfinished():
+                bm = self.block_manager
+                raise KVCacheFullError(
+                    f"KV cache pool exhausted: all {bm.num_blocks} blocks are held by unfinished requests that "
+                    f"each need one more; give the engine more KV memory (num_blocks / kv_cache_memory)"
+                )
+        except BaseException:
+            self.free_all()
+            raise
+        self.num_steps += 1
+        if self.trace is not None:
+            self.trace.append({"step": self.num_steps, "ran": ran, **self.block_manager.snapshot()})
         return ran
+
+    def _reserve_slots(self, session: InferenceSession) -> bool:
+        """Book the KV slots this turn writes: the prompt at prefill, one token per decode."""
+        bm, rid = self.block_manager, session.request_id
+        if rid not in bm.block_tables:
+            if bm.can_allocate(len(session.prompt_ids)) is not AllocStatus.OK:
+                return False  # LATER: wait until someone finishes
+            bm.allocate(rid, len(session.prompt_ids))
+            return True
+        if not bm.can_append_slot(rid):
+            return False
+        bm.append_slot(rid)
+        return True
+
+    def free_all(self) -> None:
+        """Give back every block this scheduler's sessions hold (after an error)."""
+        for rid in self.sessions:
+            self.block_manager.free(rid)
 
     def run(self) -> dict[str, RequestOutput]:
         """Step until every request has finished; return {request_id: output}."""

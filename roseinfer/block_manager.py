@@ -1,0 +1,152 @@
+"""The KV block manager: bookkeeping for a fixed pool of KV-cache blocks.
+
+The KV cache is cut into *physical blocks* of `block_size` token slots each. A sequence
+owns a *block table*: logical block i (its tokens i·bs … i·bs+bs-1) lives in physical
+block `table[i]`. Blocks are taken one at a time as the sequence grows, so a sequence
+wastes at most `block_size - 1` slots (in its last block), instead of reserving its
+whole maximum length up front.
+
+    seq A (37 tokens, bs=16):  table [7, 2, 9]   fill 16 16 5
+    seq B (16 tokens):         table [4]         fill 16
+    free: 0 1 3 5 6 8 ...
+
+One block id covers *all* layers (as in vLLM): block 7 means "slot range 7 in every
+layer's K and V". One table per sequence is then enough, and every layer indexes its
+own pool with the same ids.
+
+In this stage the manager only keeps the books: the K/V tensors still live in each
+session. Stage 07 makes the pool real.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass
+
+
+class AllocStatus(enum.Enum):
+    """Answer of `can_allocate` (as in vLLM)."""
+
+    OK = "ok"  # enough free blocks now
+    LATER = "later"  # not now, but once others finish
+    NEVER = "never"  # the prompt needs more blocks than the whole pool has
+
+
+class NoFreeBlocksError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class BlockStats:
+    num_blocks: int
+    used_blocks: int
+    used_slots: int  # token slots that hold a token's K/V
+    block_size: int
+
+    @property
+    def free_blocks(self) -> int:
+        return self.num_blocks - self.used_blocks
+
+    @property
+    def allocated_slots(self) -> int:
+        return self.used_blocks * self.block_size
+
+    @property
+    def utilization(self) -> float:
+        """Filled slots / allocated slots (1.0 = no internal fragmentation)."""
+        return self.used_slots / self.allocated_slots if self.used_blocks else 1.0
+
+    @property
+    def fragmentation(self) -> float:
+        """Allocated but empty slots / allocated slots: the waste inside last blocks."""
+        return 1.0 - self.utilization
+
+
+class BlockSpaceManager:
+    def __init__(
+        self,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        *,
+        kv_cache_memory: int | None = None,
+        bytes_per_token: int | None = None,
+    ):
+        """Give `num_blocks`, or a memory budget: `kv_cache_memory` bytes / (bytes_per_token · block_size)."""
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if num_blocks is None:
+            if not kv_cache_memory or not bytes_per_token:
+                raise ValueError("give num_blocks, or kv_cache_memory and bytes_per_token")
+            num_blocks = kv_cache_memory // (bytes_per_token * block_size)
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache pool must hold at least one block, got num_blocks={num_blocks}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.block_tables: dict[str, list[int]] = {}  # seq id -> physical block ids
+        self.num_tokens: dict[str, int] = {}  # seq id -> token slots in use
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)  # ceil
+
+    # ---- admission -----------------------------------------------------------------
+    def can_allocate(self, num_prompt_tokens: int) -> AllocStatus:
+        need = self.blocks_for(num_prompt_tokens)
+        if need > self.num_blocks:
+            return AllocStatus.NEVER
+        return AllocStatus.OK if need <= len(self.free_block_ids) else AllocStatus.LATER
+
+    def allocate(self, seq_id: str, num_prompt_tokens: int) -> list[int]:
+        """Take the blocks for a prompt (at prefill). Returns the new block table."""
+        if seq_id in self.block_tables:
+            raise ValueError(f"sequence {seq_id!r} already has blocks")
+        need = self.blocks_for(num_prompt_tokens)
+        if need > len(self.free_block_ids):
+            raise NoFreeBlocksError(f"need {need} blocks, {len(self.free_block_ids)} free")
+        self.block_tables[seq_id] = [self.free_block_ids.popleft() for _ in range(need)]
+        self.num_tokens[seq_id] = num_prompt_tokens
+        return self.block_tables[seq_id]
+
+    # ---- growth --------------------------------------------------------------------
+    def can_append_slot(self, seq_id: str) -> bool:
+        """Is there room for one more token (in the last block, or in a free block)?"""
+        return self.num_tokens[seq_id] % self.block_size != 0 or len(self.free_block_ids) > 0
+
+    def append_slot(self, seq_id: str) -> int | None:
+        """Make room for one more token; returns the new block id if one was taken, else None."""
+        new_block = None
+        if self.num_tokens[seq_id] % self.block_size == 0:  # last block full (or none yet)
+            if not self.free_block_ids:
+                raise NoFreeBlocksError(f"no free block for sequence {seq_id!r}")
+            new_block = self.free_block_ids.popleft()
+            self.block_tables[seq_id].append(new_block)
+        self.num_tokens[seq_id] += 1
+        return new_block
+
+    def free(self, seq_id: str) -> None:
+        """Give a finished (or failed) sequence's blocks back. Unknown ids are ignored."""
+        for block in self.block_tables.pop(seq_id, []):
+            self.free_block_ids.append(block)
+        self.num_tokens.pop(seq_id, None)
+
+    # ---- inspection ----------------------------------------------------------------
+    def get_block_table(self, seq_id: str) -> list[int]:
+        return list(self.block_tables[seq_id])
+
+    def fill_levels(self, seq_id: str) -> list[int]:
+        """Tokens in each of the sequence's blocks, e.g. [16, 16, 5]."""
+        n, bs = self.num_tokens[seq_id], self.block_size
+        return [min(bs, n - i * bs) for i in range(len(self.block_tables[seq_id]))]
+
+    def stats(self) -> BlockStats:
+        used = self.num_blocks - len(self.free_block_ids)
+        return BlockStats(self.num_blocks, used, sum(self.num_tokens.values()), self.block_size)
+
+    def snapshot(self) -> dict:
+        """A copy of the books, for traces and pictures."""
+        return {
+            "block_tables": {s: list(t) for s, t in self.block_tables.items()},
+            "num_tokens": dict(self.num_tokens),
+            "stats": self.stats(),
+        }
