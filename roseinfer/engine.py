@@ -20,6 +20,7 @@ import os
 from collections.abc import Iterator
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from roseinfer.block_manager import BlockSpaceManager
 from roseinfer.detokenizer import Detokenizer
@@ -102,22 +103,75 @@ class InferenceEngine:
             max_context=self.config.n_positions,
         )
 
-    @torch.inference_mode()
     def step_session(self, session: InferenceSession) -> int:
         """Advance one unfinished session by one token and return it."""
-        if not self.use_kv_cache:  # naive: the whole sequence again
-            ids = torch.tensor([session.prompt_ids + session.output_ids], device=self.device)
-            logits = self.model(ids)[:, -1]  # [1, V]
-        elif session.kv_cache is None:  # prefill: the whole prompt once, keep its K/V
-            logits, session.kv_cache = self.model.prefill(torch.tensor([session.prompt_ids], device=self.device))
-            logits = logits[:, -1]  # [1, V]
-        else:  # decode: only the newest token, at its exact position
-            token = torch.tensor([session.last_token_id], device=self.device)
-            position = torch.tensor([session.num_tokens - 1], device=self.device)
-            logits, session.kv_cache = self.model.decode_step(token, position, session.kv_cache)  # [1, V]
-        token_id = sample(logits, [session.params], [session.generator]).item()
-        session.append_token(token_id)
-        return token_id
+        self.step_sessions([session])
+        return session.output_ids[-1]
+
+    @torch.inference_mode()
+    def step_sessions(self, sessions: list[InferenceSession]) -> None:
+        """Advance unfinished sessions by one token each.
+
+        New sessions are prefilled one by one (prompts differ in length); every session that
+        is already decoding goes through ONE batched forward. Then the whole [B, V] batch of
+        logits is sampled at once, each row with its own SamplingParams and generator.
+        """
+        if not self.use_kv_cache:  # naive: the whole sequence again, one session at a time
+            rows = [
+                self.model(torch.tensor([s.prompt_ids + s.output_ids], device=self.device))[:, -1] for s in sessions
+            ]
+            order = sessions
+        else:
+            prefills = [s for s in sessions if s.kv_cache is None]
+            decodes = [s for s in sessions if s.kv_cache is not None]
+            rows = [self._prefill(s) for s in prefills]
+            if decodes:
+                rows.append(self._decode_batch(decodes))
+            order = prefills + decodes
+        if not order:
+            return
+        logits = torch.cat(rows)  # [B, V]
+        next_ids = sample(logits, [s.params for s in order], [s.generator for s in order]).tolist()
+        for session, token_id in zip(order, next_ids, strict=True):
+            session.append_token(token_id)
+
+    def _prefill(self, session: InferenceSession) -> torch.Tensor:
+        """The whole prompt once; keep its K/V. Returns the last position's logits [1, V]."""
+        logits, session.kv_cache = self.model.prefill(torch.tensor([session.prompt_ids], device=self.device))
+        return logits[:, -1]
+
+    def _decode_batch(self, sessions: list[InferenceSession]) -> torch.Tensor:
+        """One batched forward for the newest token of every session. Returns logits [B, V].
+
+        Caches have different lengths L_i, so we pad them to L = max L_i (right padding),
+        mask the padding out, and give every row its own position id L_i (not L!):
+
+            row 0: k0 k1 k2 ·  ·  | new      mask 1 1 1 0 0 1   position 3
+            row 1: k0 k1 k2 k3 k4 | new      mask 1 1 1 1 1 1   position 5
+        """
+        lens = torch.tensor([s.num_tokens - 1 for s in sessions], device=self.device)  # cached tokens L_i: [B]
+        L = int(lens.max())
+        tokens = torch.tensor([s.last_token_id for s in sessions], device=self.device)  # [B]
+        slots = torch.arange(L + 1, device=self.device)  # [L + 1]
+        attn_mask = (slots[None, :] < lens[:, None]) | (slots[None, :] == L)  # [B, L + 1]
+        past = []
+        for layer in range(self.config.n_layer):  # stack: pad each session's [1, H, L_i, D] to [B, H, L, D]
+            k, v = (
+                pad_sequence([s.kv_cache[layer][j][0].transpose(0, 1) for s in sessions], batch_first=True).transpose(
+                    1, 2
+                )  # [B, L, H, D] -> [B, H, L, D]
+                for j in (0, 1)
+            )
+            past.append((k, v))
+        logits, new_kv = self.model.decode_step(tokens, lens, past, attn_mask)
+        for i, s in enumerate(sessions):  # split: keep each row's real keys plus the new one
+            n = int(lens[i])
+            s.kv_cache = [
+                (torch.cat([k[i : i + 1, :, :n], k[i : i + 1, :, L:]], dim=2),
+                 torch.cat([v[i : i + 1, :, :n], v[i : i + 1, :, L:]], dim=2))
+                for k, v in new_kv
+            ]  # fmt: skip
+        return logits
 
     # ---- one request at a time ----------------------------------------------------------
     def token_stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:

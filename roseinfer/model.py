@@ -63,8 +63,12 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # q, k, v in one matmul
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
-    def forward(self, x: torch.Tensor, past: KV | None = None) -> tuple[torch.Tensor, KV]:
+    def forward(
+        self, x: torch.Tensor, past: KV | None = None, attn_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, KV]:
         """x [B, T, C]; `past` holds the K/V of earlier tokens ([B, H, T_past, D] each).
+        `attn_mask` [B, T_past + 1] (decode only) is True where a key may be attended to:
+        in a padded batch it hides each row's padding.
 
         Returns the output [B, T, C] and this layer's K/V including the new tokens.
         """
@@ -80,7 +84,8 @@ class CausalSelfAttention(nn.Module):
             k = torch.cat([past[0], k], dim=2)  # [B, H, T_past + 1, D]
             v = torch.cat([past[1], v], dim=2)
         # softmax(q kᵀ / √D) v, where token t may only look at tokens ≤ t
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=past is None)  # [B, H, T, D]
+        mask = None if attn_mask is None else attn_mask[:, None, None, :]  # [B, 1, 1, T_past + 1]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=past is None)  # [B, H, T, D]
         y = y.transpose(1, 2).reshape(B, T, C)  # merge heads back: [B, T, C]
         return self.c_proj(y), (k, v)
 
@@ -104,8 +109,10 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, past: KV | None = None) -> tuple[torch.Tensor, KV]:
-        a, kv = self.attn(self.ln_1(x), past)
+    def forward(
+        self, x: torch.Tensor, past: KV | None = None, attn_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, KV]:
+        a, kv = self.attn(self.ln_1(x), past, attn_mask)
         x = x + a
         return x + self.mlp(self.ln_2(x)), kv
 
@@ -134,14 +141,21 @@ class GPT2(nn.Module):
         return self._run(input_ids, None, None)
 
     def decode_step(
-        self, token_ids: torch.Tensor, position_ids: torch.Tensor, past: list[KV]
+        self, token_ids: torch.Tensor, position_ids: torch.Tensor, past: list[KV], attn_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, list[KV]]:
-        """One new token per sequence: token_ids [B], position_ids [B] -> (logits [B, V], K/V grown by one)."""
-        logits, kv = self._run(token_ids[:, None], position_ids[:, None], past)
+        """One new token per sequence: token_ids [B], position_ids [B] -> (logits [B, V], K/V grown by one).
+
+        In a batch of different lengths, `past` is padded and `attn_mask` [B, T_past + 1] marks real keys.
+        """
+        logits, kv = self._run(token_ids[:, None], position_ids[:, None], past, attn_mask)
         return logits[:, -1], kv
 
     def _run(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, past: list[KV] | None
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        past: list[KV] | None,
+        attn_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[KV]]:
         B, T = input_ids.shape
         if position_ids is None:
@@ -150,7 +164,7 @@ class GPT2(nn.Module):
         x = tr.wte(input_ids) + tr.wpe(position_ids)  # [B, T, C]
         new_kv = []
         for i, block in enumerate(tr.h):
-            x, kv = block(x, None if past is None else past[i])
+            x, kv = block(x, None if past is None else past[i], attn_mask)
             new_kv.append(kv)
         x = tr.ln_f(x)
         return F.linear(x, tr.wte.weight), new_kv  # tied LM head: [B, T, C] @ [C, V] -> [B, T, V]

@@ -8,12 +8,12 @@ its prefill, the next ones are single-token decodes:
     step 2:  A B C
     step 3:  A   C          (B finished: it simply drops out)
 
-Requests take turns, but each forward pass still carries a single sequence, so the
-total work is the same as running them one after another. Stage 05 batches them.
-
 Stage 04 adds the block manager: a session's first turn allocates blocks for its
 prompt, each later turn one slot for the token it feeds, and a finished session gives
 its blocks back at once. A session that cannot get a block waits for a later step.
+
+Stage 05: the sessions that decode in a step share ONE batched forward pass
+(`InferenceEngine.step_sessions`); only prefills still run one by one.
 """
 
 from __future__ import annotations
@@ -60,12 +60,12 @@ class OfflineScheduler:
         """Advance every unfinished session that can get its KV slots by one token; return the ids that ran."""
         ran = []
         try:
-            for session in self.sessions.values():
-                if not session.finished and self._reserve_slots(session):
-                    self.engine.step_session(session)
-                    ran.append(session.request_id)
-                    if session.finished:
-                        self.block_manager.free(session.request_id)
+            batch = [s for s in self.sessions.values() if not s.finished and self._reserve_slots(s)]
+            self.engine.step_sessions(batch)  # prefills, then ONE batched decode for the rest
+            for session in batch:
+                ran.append(session.request_id)
+                if session.finished:
+                    self.block_manager.free(session.request_id)
             if not ran and self.has_unfinished():
                 bm = self.block_manager
                 raise KVCacheFullError(

@@ -1,0 +1,358 @@
+"""Offline throughput benchmark: roseinfer vs Hugging Face `generate` (static batches) vs HF continuous batching.
+
+Every engine gets the same N requests (prompt lengths and output lengths drawn uniformly from ranges with a seed),
+decodes greedily and ignores EOS, so each request produces exactly its requested number of tokens. We time only the
+generation (model loading and a tiny warm-up run are excluded) and report output tokens per second.
+
+    python scripts/benchmark.py                                  # small workload, bundled model, all engines
+    python scripts/benchmark.py --workload tiny --engines hf-generate,hf-cb --json /tmp/bench.json
+    python scripts/benchmark.py --model gpt2 --workload gpu --device cuda   # random-weight GPT-2 small shapes
+    python scripts/benchmark.py --num-requests 64 --input-len 32 64 --output-len 100 100 --threads 2
+
+Engines: `roseinfer` (`LLM.generate`), `hf-generate` (`GPT2LMHeadModel.generate` on left-padded static batches of
+--batch-size; each batch runs to its longest output, only the requested tokens count) and `hf-cb` (transformers'
+continuous batching, with an explicit `ContinuousBatchingConfig` sized from the workload). `--model` takes a model
+directory, a Hub id, or one of gpt2 / gpt2-medium / gpt2-large / gpt2-xl for random weights with those shapes
+(saved once under --cache-dir; for the real GPT-2 weights use the Hub id openai-community/gpt2).
+
+On a CPU shared with other work, pass --threads 1: torch's intra-op threads on busy cores can be 10-50x slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import gc
+import json
+import math
+import platform
+import random
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = next((p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists()), Path.cwd())
+sys.path.insert(0, str(REPO))  # run from a checkout without `pip install -e .`
+
+# Presets. Lengths are [min, max], both inclusive. "gpu" is given for a 1024-token context and scaled to the model's.
+WORKLOADS = {
+    "tiny": dict(num_requests=4, input_len=(4, 12), output_len=(3, 8)),
+    "small": dict(num_requests=128, input_len=(16, 128), output_len=(32, 128)),
+    "gpu": dict(num_requests=256, input_len=(100, 512), output_len=(100, 512)),
+}
+RANDOM_SHAPES = {  # (n_embd, n_layer, n_head) of the released GPT-2 checkpoints
+    "gpt2": (768, 12, 12),
+    "gpt2-medium": (1024, 24, 16),
+    "gpt2-large": (1280, 36, 20),
+    "gpt2-xl": (1600, 48, 25),
+}
+
+
+@dataclass
+class Workload:
+    params: dict  # everything that defines it, for the report
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+
+def make_workload(args, n_positions: int, vocab_size: int, model_dir: Path) -> Workload:
+    p = {"long_fraction": 0.0, "long_len": (0, 0)} | WORKLOADS[args.workload]
+    if args.workload == "gpu":  # scale the ranges to the model's context
+        scale = lambda r: (max(1, r[0] * n_positions // 1024), r[1] * n_positions // 1024)
+        p["input_len"], p["output_len"] = scale(p["input_len"]), scale(p["output_len"])
+    for key in ("num_requests", "input_len", "output_len", "long_fraction", "long_len"):
+        if getattr(args, key) is not None:
+            p[key] = tuple(getattr(args, key)) if key.endswith("_len") else getattr(args, key)
+    (lo_in, hi_in), (lo_out, hi_out), n, frac = p["input_len"], p["output_len"], p["num_requests"], p["long_fraction"]
+    hi_all = max(hi_out, p["long_len"][1] if frac > 0 else 0)
+    if min(lo_in, lo_out) < 1 or lo_in > hi_in or lo_out > hi_out or hi_in + hi_all > n_positions:
+        raise SystemExit(f"bad lengths: input {lo_in}-{hi_in}, output up to {hi_all}, model context {n_positions}")
+    rng = random.Random(args.seed)
+    in_lens = [rng.randint(lo_in, hi_in) for _ in range(n)]
+    is_long = [i < round(n * frac) for i in range(n)]
+    rng.shuffle(is_long)
+    out_lens = [rng.randint(*p["long_len"]) if lg else rng.randint(lo_out, hi_out) for lg in is_long]
+    text_ids = load_text_ids(model_dir, args.text_file) if args.prompt_source == "text" else None
+    prompts = []
+    for length in in_lens:
+        if text_ids:  # a window of real text at a random offset (wrapping around a short text)
+            start = rng.randrange(len(text_ids))
+            prompts.append([text_ids[(start + j) % len(text_ids)] for j in range(length)])
+        else:  # random ids, never EOS (the last id)
+            prompts.append([rng.randrange(vocab_size - 1) for _ in range(length)])
+    p |= {"name": args.workload, "seed": args.seed, "prompt_source": "text" if text_ids else "random"}
+    p |= {"total_prompt_tokens": sum(in_lens), "total_output_tokens": sum(out_lens)}
+    return Workload(p, prompts, out_lens)
+
+
+def load_text_ids(model_dir: Path, text_file: str | None) -> list[int] | None:
+    """Tokenize a text file (default: the repo README) with the model's own tokenizer; None if that fails."""
+    try:
+        from roseinfer.tokenizer import Tokenizer
+
+        vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        tok = Tokenizer.from_model_dir(model_dir, vocab_size=vocab_size)
+        ids = tok.encode(Path(text_file or REPO / "README.md").read_text())
+        return [i for i in ids if i != tok.eos_token_id] or None
+    except Exception as e:
+        print(f"note: --prompt-source text unavailable ({type(e).__name__}: {e}); using random ids", file=sys.stderr)
+        return None
+
+
+# ----------------------------------------------------------------------------------------------------- models
+def resolve_model(name: str, cache_dir: Path) -> Path:
+    """A local directory, a random-weight GPT-2 shape (saved once under cache_dir), or a Hub id."""
+    if Path(name).expanduser().is_dir():
+        return Path(name).expanduser()
+    if name in RANDOM_SHAPES:
+        return make_random_model(name, cache_dir / name)
+    try:
+        from huggingface_hub import snapshot_download
+
+        patterns = ["config.json", "*.safetensors", "pytorch_model.bin", "tokenizer.tiktoken", "generation_config.json"]
+        return Path(snapshot_download(name, allow_patterns=patterns))
+    except Exception as e:
+        raise SystemExit(
+            f"--model {name!r}: not a directory, not one of {list(RANDOM_SHAPES)}, and the Hub "
+            f"download failed ({type(e).__name__}: {e})"
+        ) from e
+
+
+def make_random_model(name: str, out: Path) -> Path:
+    if (out / "model.safetensors").exists() and (out / "tokenizer.tiktoken").exists():
+        return out
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    n_embd, n_layer, n_head = RANDOM_SHAPES[name]
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=50257, n_positions=1024, n_embd=n_embd, n_layer=n_layer, n_head=n_head)
+    GPT2LMHeadModel(cfg).save_pretrained(out)
+    # Placeholder tokenizer (meaningless text from random weights anyway): 256 single bytes, then distinct
+    # strings; ranks 0..vocab-2, and the EOS special token takes id vocab-1, outside the file.
+    toks = [bytes([b]) for b in range(256)] + [b"<%d>" % i for i in range(256, cfg.vocab_size - 1)]
+    lines = [f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(toks)]
+    (out / "tokenizer.tiktoken").write_text("".join(lines))
+    return out
+
+
+def load_hf(model_dir: Path, device: torch.device, dtype: torch.dtype):
+    from transformers import GPT2LMHeadModel
+
+    return GPT2LMHeadModel.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------------- engines
+# Each runner: (workload, model_dir, device, dtype, batch_size) -> (per-request output token ids, seconds).
+def run_roseinfer(wl: Workload, model_dir: Path, device, dtype, batch_size: int):
+    import inspect
+
+    from roseinfer import LLM, SamplingParams
+
+    kwargs = {"max_num_seqs": batch_size} if "max_num_seqs" in inspect.signature(LLM).parameters else {}
+    llm = LLM(model=str(model_dir), device=str(device), dtype=dtype, **kwargs)
+    params = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    llm.generate([[1, 2, 3], [4, 5]], [params(2), params(2)], use_tqdm=False)  # warm-up
+    sync(device)
+    t0 = time.perf_counter()
+    outs = llm.generate(wl.prompts, [params(n) for n in wl.output_lens], use_tqdm=False)
+    sync(device)
+    return [list(o.token_ids) for o in outs], time.perf_counter() - t0
+
+
+@torch.no_grad()
+def run_hf_generate(wl: Workload, model_dir: Path, device, dtype, batch_size: int):
+    model = load_hf(model_dir, device, dtype)
+    eos = model.config.eos_token_id
+
+    def generate(prompts: list[list[int]], new: int) -> list[list[int]]:
+        width = max(map(len, prompts))  # left padding: every prompt ends at column `width`
+        ids = torch.tensor([[eos] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        # min_new_tokens == max_new_tokens suppresses EOS, so every row runs exactly `new` steps
+        greedy = dict(do_sample=False, pad_token_id=eos, eos_token_id=eos)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, **greedy)
+        return out[:, width:].tolist()
+
+    generate([[1, 2, 3], [4, 5]], 2)  # warm-up
+    sync(device)
+    t0 = time.perf_counter()
+    results = []
+    for i in range(0, len(wl.prompts), batch_size):
+        lens = wl.output_lens[i : i + batch_size]
+        rows = generate(wl.prompts[i : i + batch_size], max(lens))  # the batch runs to its longest output ...
+        results += [row[:n] for row, n in zip(rows, lens, strict=True)]  # ... but only the requested tokens count
+    sync(device)
+    return results, time.perf_counter() - t0
+
+
+def cb_config_for(wl: Workload, batch_size: int):
+    """An explicit ContinuousBatchingConfig: without num_blocks / max_batch_tokens, transformers sizes the KV cache
+    from free memory (60% of RAM on CPU, 90% of free GPU memory)."""
+    from transformers import ContinuousBatchingConfig
+
+    page = 64
+    concurrent = min(batch_size, len(wl.prompts))
+    longest = max(len(p) + n for p, n in zip(wl.prompts, wl.output_lens, strict=True))
+    blocks = concurrent * math.ceil(longest / page)
+    margin = 0.15  # the FIFO scheduler stops admitting prefills when less than this fraction of blocks is free
+    return ContinuousBatchingConfig(
+        page_size=page,  # tokens per block (`block_size` is the deprecated name)
+        num_blocks=math.ceil(blocks / (1 - margin)) + 1,
+        max_batch_tokens=min(2048, concurrent * (max(map(len, wl.prompts)) + 1)),  # tokens per step (prefill + decode)
+        max_requests_per_batch=concurrent,
+        safety_margin=margin,
+        allow_block_sharing=False,  # no prefix caching: random prompts never share a prefix
+        seed=wl.params["seed"],
+    )
+
+
+@torch.no_grad()
+def run_hf_cb(wl: Workload, model_dir: Path, device, dtype, batch_size: int):
+    from transformers import GenerationConfig
+
+    model = load_hf(model_dir, device, dtype)
+    # `generate_batch(inputs, generation_config, continuous_batching_config=...)` takes one max_new_tokens for all
+    # requests, so we use the context manager it wraps and pass per-request max_new_tokens and eos_token_id=-1
+    # (no EOS) to `manager.add_request`; results are GenerationOutput objects with `.generated_tokens`.
+    gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max(wl.output_lens), eos_token_id=-1)
+
+    def run(manager, prompts: list[list[int]], lens: list[int], tag: str) -> list[list[int]]:
+        ids = [
+            manager.add_request(p, request_id=f"{tag}_{i}", max_new_tokens=n, eos_token_id=-1)
+            for i, (p, n) in enumerate(zip(prompts, lens, strict=True))
+        ]
+        done = {}
+        while len(done) < len(ids):
+            out = manager.get_result(timeout=1)
+            if out is not None and out.is_finished():
+                done[out.request_id] = out.generated_tokens if out.error is None else []
+            elif out is None and not manager.is_running():
+                print("hf-cb: generation thread died", file=sys.stderr)
+                break
+        return [done.get(i, []) for i in ids]
+
+    with model.continuous_batching_context_manager(
+        generation_config=gen_cfg, continuous_batching_config=cb_config_for(wl, batch_size), block=True, timeout=30
+    ) as manager:
+        run(manager, [[1, 2, 3], [4, 5]], [2, 2], "warmup")
+        sync(device)
+        t0 = time.perf_counter()
+        results = run(manager, wl.prompts, wl.output_lens, "req")
+        sync(device)
+        elapsed = time.perf_counter() - t0
+    return results, elapsed
+
+
+ENGINES = {"roseinfer": run_roseinfer, "hf-generate": run_hf_generate, "hf-cb": run_hf_cb}
+
+
+# ----------------------------------------------------------------------------------------------------- report
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        model = next(ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.processor() or platform.machine()
+    return f"{model} (torch threads: {torch.get_num_threads()})"
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model dir, Hub id or gpt2[-medium|-large|-xl] (random weights)")
+    ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {','.join(ENGINES)}")
+    ap.add_argument("--workload", choices=WORKLOADS, default="small")
+    ap.add_argument("--num-requests", type=int)
+    ap.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"))
+    ap.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"))
+    ap.add_argument("--long-fraction", type=float, help="fraction of requests drawing from --long-len instead")
+    ap.add_argument("--long-len", type=int, nargs=2, metavar=("MIN", "MAX"))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompt-source", choices=["random", "text"], default="random")
+    ap.add_argument("--text-file", help="text for --prompt-source text (default: the repo README)")
+    ap.add_argument("--batch-size", type=int, default=32, help="static batch (hf-generate), max batch (others)")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    dtypes = ["float32", "float16", "bfloat16", "fp32", "fp16", "bf16"]
+    ap.add_argument("--dtype", choices=dtypes, help="default: float32 on CPU, float16 on CUDA")
+    ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's default)")
+    ap.add_argument("--cache-dir", type=Path, default=REPO / ".cache" / "random-models")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if unknown := [e for e in names if e not in ENGINES]:
+        raise SystemExit(f"unknown engine(s) {unknown}; choose from {list(ENGINES)}")
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(auto if args.device == "auto" else args.device)
+    aliases = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+    dtype = getattr(torch, aliases.get(args.dtype, args.dtype or ("float16" if device.type == "cuda" else "float32")))
+    model_arg = args.model
+    if model_arg is None:
+        from roseinfer import DEFAULT_MODEL
+
+        model_arg = DEFAULT_MODEL
+    model_dir = resolve_model(model_arg, args.cache_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    wl = make_workload(args, cfg.get("n_positions", 1024), cfg["vocab_size"], model_dir)
+
+    import transformers
+
+    dev, num = device_name(device), len(wl.prompts)
+    params = wl.params | {"batch_size": args.batch_size, "dtype": str(dtype).removeprefix("torch.")}
+    print(f"# {dev} | torch {torch.__version__} | transformers {transformers.__version__} | model {model_arg}")
+    print("# workload " + ", ".join(f"{k}={v}" for k, v in params.items()), flush=True)
+
+    results, failed = {}, False
+    for name in names:
+        try:
+            outs, secs = ENGINES[name](wl, model_dir, device, dtype, args.batch_size)
+        except Exception as e:
+            traceback.print_exc()
+            results[name], failed = {"error": f"{type(e).__name__}: {e}"}, True
+            continue
+        finally:
+            gc.collect()
+        got = ([len(o) for o in outs] + [0] * num)[:num]
+        bad = [(i, n, g) for i, (n, g) in enumerate(zip(wl.output_lens, got, strict=True)) if n != g]
+        if bad:  # report, don't crash: (request index, asked, got) for the first few
+            print(f"!! {name}: {len(bad)} requests got the wrong number of tokens, e.g. {bad[:5]}", file=sys.stderr)
+        tokens = sum(min(n, g) for n, g in zip(wl.output_lens, got, strict=True))
+        results[name] = dict(output_tokens_per_s=tokens / secs, seconds=secs, output_tokens=tokens, requests=num)
+        results[name]["tokens_ok"] = not bad
+
+    base = results.get("roseinfer", {}).get("output_tokens_per_s")
+    print(f"{'engine':<12} {'requests':>8} {'out tokens':>10} {'seconds':>8} {'out tok/s':>10} {'vs roseinfer':>12}")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"{name:<12} failed: {r['error']}")
+            continue
+        ratio = f"{r['output_tokens_per_s'] / base:.2f}x" if base else "-"
+        flag = "" if r["tokens_ok"] else "  (token count mismatch!)"
+        print(
+            f"{name:<12} {r['requests']:>8} {r['output_tokens']:>10} {r['seconds']:>8.2f} "
+            f"{r['output_tokens_per_s']:>10.1f} {ratio:>12}{flag}"
+        )
+    if args.json:
+        versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+        report = {"device": dev, "model": str(model_arg), "workload": params, "engines": results, "versions": versions}
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 1 if failed or not all(r.get("tokens_ok") for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
