@@ -17,10 +17,9 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from roseinfer.engine import InferenceEngine
+from roseinfer.llm_engine import LLMEngine
 from roseinfer.outputs import RequestOutput
 from roseinfer.sampling import SamplingParams
-from roseinfer.scheduler import OfflineScheduler
 
 Prompt = str | list[int]
 
@@ -34,14 +33,17 @@ class LLM:
         block_size: int = 16,
         num_blocks: int | None = None,
         kv_cache_memory: int | None = None,
+        max_num_seqs: int = 64,
     ):
-        """`block_size`, `num_blocks` / `kv_cache_memory` (bytes) size the KV block pool."""
-        self.engine = InferenceEngine(
+        """`block_size`, `num_blocks` / `kv_cache_memory` (bytes) size the KV block pool;
+        `max_num_seqs` caps how many requests decode together."""
+        self.llm_engine = LLMEngine(
             model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
-            kv_cache_memory=kv_cache_memory,
+            kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
         )  # fmt: skip
-        self.tokenizer = self.engine.tokenizer
-        self.block_manager = self.engine.make_block_manager()
+        self.engine = self.llm_engine.engine
+        self.tokenizer = self.llm_engine.tokenizer
+        self.block_manager = self.llm_engine.block_manager
 
     def generate(
         self,
@@ -53,30 +55,34 @@ class LLM:
 
         A prompt is a string or a list of token ids. `sampling_params` is one SamplingParams
         for all prompts or a list with one per prompt. Invalid input raises before anything runs.
+        Runs on LLMEngine: continuous batching with at most `max_num_seqs` requests at a time.
         """
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        scheduler = OfflineScheduler(self.engine, self.block_manager)
-        ids = []
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            try:
-                ids.append(scheduler.add_request(prompt, p))
-            except (ValueError, TypeError) as e:
-                raise type(e)(f"prompt {i}: {e}") from e
+        engine = self.llm_engine
+        ids = [str(i) for i in range(len(prompts))]
+        results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="requests", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         try:
-            t0 = time.perf_counter()
-            while scheduler.has_unfinished():
-                scheduler.step()
-                if use_tqdm:  # finished requests, and output tokens/s so far
-                    sessions = scheduler.sessions.values()
-                    bar.update(sum(s.finished for s in sessions) - bar.n)
-                    tok_s = sum(len(s.output_ids) for s in sessions) / (time.perf_counter() - t0)
-                    bar.set_postfix_str(f"{tok_s:.1f} output tok/s", refresh=False)
+            for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
+                try:
+                    engine.add_request(rid, prompt, p)
+                except (ValueError, TypeError) as e:
+                    raise type(e)(f"prompt {i}: {e}") from e
+            t0, n_out = time.perf_counter(), 0
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    n_out += 1
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+                bar.set_postfix_str(f"{n_out / (time.perf_counter() - t0):.1f} output tok/s", refresh=False)
         finally:
             bar.close()
-            scheduler.free_all()  # normally a no-op: finished requests already gave their blocks back
-        return [scheduler.sessions[r].output() for r in ids]
+            for rid in ids:  # after an error: abort whatever is left, so no block leaks
+                if rid in engine.sessions:
+                    engine.abort_request(rid)
+        return [results[r] for r in ids]
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

@@ -14,7 +14,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" (EOS, stop token, stop string) | "length" | None while running
+    finish_reason: str | None  # "stop" (EOS, stop token, stop string) | "length" | "abort" | None while running
+    delta: str = ""  # text that became final in the last engine step (streaming)
 
     @property
     def finished(self) -> bool:

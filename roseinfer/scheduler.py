@@ -1,4 +1,7 @@
-"""The offline scheduler: many requests, one engine.
+"""Schedulers: which requests run at each step.
+
+`OfflineScheduler` (stages 03-05) starts every request at once and steps them until all
+are done. `Scheduler` (stage 06, below) does continuous batching.
 
 Stage 03 keeps it simple: every `step()` walks the unfinished sessions in the order
 they arrived and advances each by one token (round-robin). A request's first turn is
@@ -19,6 +22,7 @@ Stage 05: the sessions that decode in a step share ONE batched forward pass
 from __future__ import annotations
 
 import itertools
+from collections import deque
 
 from roseinfer.block_manager import AllocStatus, BlockSpaceManager
 from roseinfer.engine import InferenceEngine
@@ -103,3 +107,69 @@ class OfflineScheduler:
         while self.has_unfinished():
             self.step()
         return {rid: s.output() for rid, s in self.sessions.items()}
+
+
+class Scheduler:
+    """Continuous batching (stage 06): requests join and leave the batch at every step.
+
+    Two queues, as in vLLM. `waiting`: requests not started yet (FCFS). `running`: requests
+    that hold KV blocks and decode one token per step. Each `schedule()` call:
+
+      1. admits waiting requests, oldest first, while fewer than `max_num_seqs` run and the
+         block manager answers OK for the prompt (LATER: stop admitting, wait a step);
+      2. books one KV slot for every running request that decodes this step;
+      3. returns the batch: newly admitted (to prefill) + running (to decode).
+
+    The caller runs the batch and calls `finish()` for requests that ended: their blocks
+    go back at once and their batch slots are free for the next step's admissions.
+    """
+
+    def __init__(self, block_manager: BlockSpaceManager, max_num_seqs: int = 64):
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[InferenceSession] = deque()
+        self.running: list[InferenceSession] = []
+
+    def add(self, session: InferenceSession) -> None:
+        """Queue a request; a prompt that can never fit in the pool fails here, alone."""
+        bm, n = self.block_manager, len(session.prompt_ids)
+        if bm.can_allocate(n) is AllocStatus.NEVER:
+            raise ValueError(
+                f"prompt needs {bm.blocks_for(n)} KV blocks of {bm.block_size} tokens, "
+                f"but the whole KV cache pool has {bm.num_blocks}"
+            )
+        self.waiting.append(session)
+
+    def schedule(self) -> list[InferenceSession]:
+        """Pick this step's batch (see the class docstring)."""
+        bm = self.block_manager
+        admitted = []
+        while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
+            session = self.waiting[0]
+            if bm.can_allocate(len(session.prompt_ids)) is not AllocStatus.OK:
+                break  # FCFS: nobody overtakes the oldest waiting request
+            bm.allocate(session.request_id, len(session.prompt_ids))
+            admitted.append(self.waiting.popleft())
+        decoding = [s for s in self.running if bm.can_append_slot(s.request_id)]
+        if not admitted and not decoding and self.running:
+            raise KVCacheFullError(
+                f"KV cache pool exhausted: all {bm.num_blocks} blocks are held by running requests that each "
+                f"need one more; give the engine more KV memory (num_blocks / kv_cache_memory)"
+            )
+        for s in decoding:
+            bm.append_slot(s.request_id)
+        self.running += admitted
+        return admitted + decoding
+
+    def finish(self, session: InferenceSession) -> None:
+        """A request ended (or was aborted): free its blocks and its place in the batch."""
+        self.block_manager.free(session.request_id)
+        if session in self.running:
+            self.running.remove(session)
+        elif session in self.waiting:
+            self.waiting.remove(session)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)

@@ -60,7 +60,7 @@ class InferenceSession:
             self.last_delta += self.detokenizer.flush()
             self.kv_cache = None  # give the memory back now, not when the caller drops us
 
-    def output(self) -> RequestOutput:
+    def output(self, delta: str = "") -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -68,4 +68,5 @@ class InferenceSession:
             text=self.detokenizer.text,
             token_ids=list(self.output_ids),
             finish_reason=self.finish_reason,
+            delta=delta,
         )

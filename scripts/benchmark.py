@@ -6,6 +6,7 @@ generation (model loading and a tiny warm-up run are excluded) and report output
 
     python scripts/benchmark.py                                  # small workload, bundled model, all engines
     python scripts/benchmark.py --workload tiny --engines hf-generate,hf-cb --json /tmp/bench.json
+    python scripts/benchmark.py --workload mixed --batch-size 16  # mostly short outputs, a few long ones
     python scripts/benchmark.py --model gpt2 --workload gpu --device cuda   # random-weight GPT-2 small shapes
     python scripts/benchmark.py --num-requests 64 --input-len 32 64 --output-len 100 100 --threads 2
 
@@ -42,6 +43,8 @@ sys.path.insert(0, str(REPO))  # run from a checkout without `pip install -e .`
 WORKLOADS = {
     "tiny": dict(num_requests=4, input_len=(4, 12), output_len=(3, 8)),
     "small": dict(num_requests=128, input_len=(16, 128), output_len=(32, 128)),
+    # mostly short outputs, a quarter long ones: static batches wait for their longest member
+    "mixed": dict(num_requests=64, input_len=(16, 128), output_len=(8, 32), long_fraction=0.25, long_len=(128, 256)),
     "gpu": dict(num_requests=256, input_len=(100, 512), output_len=(100, 512)),
 }
 RANDOM_SHAPES = {  # (n_embd, n_layer, n_head) of the released GPT-2 checkpoints

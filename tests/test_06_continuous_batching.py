@@ -1,0 +1,169 @@
+"""Stage 06: continuous batching with waiting/running queues, and the LLMEngine API."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import run_python
+
+from roseinfer import LLMEngine, SamplingParams
+from roseinfer.scheduler import KVCacheFullError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
+@pytest.fixture
+def make_engine():
+    """LLMEngine factory; every engine must end its test with all KV blocks free."""
+    made = []
+
+    def make(**kw):
+        eng = LLMEngine(device="cpu", dtype="float32", **kw)
+        made.append(eng)
+        return eng
+
+    yield make
+    for eng in made:
+        assert eng.block_manager.stats().used_blocks == 0, "KV blocks leaked"
+
+
+def solo(eng: LLMEngine, prompt, params=GREEDY) -> list[int]:
+    return list(eng.engine.token_stream(eng.engine.encode_prompt(prompt), params))
+
+
+def run_all(eng: LLMEngine) -> dict[str, list[int]]:
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    return done
+
+
+def test_request_added_mid_decode_gets_its_solo_output(make_engine):
+    eng = make_engine(max_num_seqs=8)
+    eng.add_request("a", "Romeo.\n", GREEDY)
+    eng.add_request("b", "Enter Hamlet, reading.\n" * 4, GREEDY)
+    for _ in range(6):
+        eng.step()
+    assert {s.request_id for s in eng.scheduler.running} == {"a", "b"}
+    eng.add_request("c", "Nurse.\n", GREEDY)  # joins while a and b are mid-decode
+    outs = eng.step()
+    assert {o.request_id for o in outs} == {"a", "b", "c"}  # one step: c's prefill + a, b decodes
+    done = run_all(eng)
+    for rid, prompt in [("a", "Romeo.\n"), ("b", "Enter Hamlet, reading.\n" * 4), ("c", "Nurse.\n")]:
+        assert done[rid] == solo(eng, prompt), rid
+
+
+def test_max_num_seqs_is_never_exceeded(make_engine):
+    eng = make_engine(max_num_seqs=3)
+    eng.trace = []
+    lengths = [3, 9, 5, 14, 2, 7, 11, 4]
+    for i, n in enumerate(lengths):
+        eng.add_request(str(i), f"Request {i}.\n", SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    done = run_all(eng)
+    assert {k: len(v) for k, v in done.items()} == {str(i): n for i, n in enumerate(lengths)}
+    assert max(len(t["ran"]) for t in eng.trace) == 3
+    assert all(len(t["running"]) <= 3 for t in eng.trace)
+    # FCFS: requests start in arrival order
+    starts = {}
+    for t in eng.trace:
+        for rid in t["ran"]:
+            starts.setdefault(rid, t["step"])
+    assert sorted(starts, key=lambda r: (starts[r], int(r))) == [str(i) for i in range(8)]
+
+
+def test_finished_request_frees_its_place_at_the_next_step(make_engine):
+    eng = make_engine(max_num_seqs=2)
+    eng.trace = []
+    p = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    eng.add_request("short", "A.", p(2))
+    eng.add_request("long", "B.", p(10))
+    eng.add_request("next", "C.", p(3))
+    run_all(eng)
+    step_of = {rid: next(t["step"] for t in eng.trace if rid in t["ran"]) for rid in ("short", "long", "next")}
+    end_short = next(t["step"] for t in eng.trace if "short" in t["finished"])
+    assert step_of["next"] == end_short + 1  # takes the freed place immediately
+
+
+def test_prompt_that_can_never_fit_fails_alone(make_engine):
+    eng = make_engine(block_size=4, num_blocks=10)
+    eng.add_request("ok", "Romeo.\n", GREEDY)
+    with pytest.raises(ValueError, match="KV blocks"):
+        eng.add_request("huge", list(range(1, 50)), GREEDY)  # 13 blocks > 10 in the pool
+    assert run_all(eng)["ok"] == solo(eng, "Romeo.\n")
+
+
+def test_later_waits_and_fcfs_keeps_order(make_engine):
+    eng = make_engine(block_size=4, num_blocks=6, max_num_seqs=8)
+    p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    eng.add_request("big", list(range(1, 17)), p)  # 4 blocks, grows into a 5th
+    eng.add_request("big2", list(range(20, 32)), p)  # 3 blocks: must wait (LATER)
+    eng.add_request("small", [5], p)  # would fit, but FCFS: no overtaking
+    eng.step()
+    assert [s.request_id for s in eng.scheduler.running] == ["big"]
+    assert [s.request_id for s in eng.scheduler.waiting] == ["big2", "small"]
+    done = run_all(eng)
+    assert done["big2"] == solo(eng, list(range(20, 32)), p)
+
+
+def test_abort_running_and_waiting_requests(make_engine):
+    eng = make_engine(max_num_seqs=2)
+    for rid, prompt in [("a", "Romeo.\n"), ("b", "Juliet.\n"), ("c", "Nurse.\n")]:
+        eng.add_request(rid, prompt, GREEDY)
+    eng.step()
+    eng.step()
+    used_before = eng.block_manager.stats().used_blocks
+    eng.abort_request("b")  # running
+    eng.abort_request("c")  # waiting
+    assert eng.block_manager.stats().used_blocks < used_before
+    assert "b" not in eng.block_manager.block_tables and "c" not in eng.block_manager.block_tables
+    assert run_all(eng) == {"a": solo(eng, "Romeo.\n")}
+    with pytest.raises(KeyError, match="unknown request id 'b'"):
+        eng.abort_request("b")
+
+
+def test_pool_exhausted_fails_every_request_and_leaks_nothing(make_engine):
+    eng = make_engine(block_size=4, num_blocks=4)
+    p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    eng.add_request("a", list(range(1, 9)), p)  # 2 blocks each: the pool is full after the prefills
+    eng.add_request("b", list(range(20, 28)), p)
+    with pytest.raises(KVCacheFullError, match="exhausted"):
+        run_all(eng)
+    assert not eng.has_unfinished_requests()
+
+
+def test_duplicate_request_id_is_refused(make_engine):
+    eng = make_engine()
+    eng.add_request("x", "Romeo.", GREEDY)
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add_request("x", "Juliet.", GREEDY)
+    run_all(eng)
+    eng.add_request("x", "Juliet.", SamplingParams(max_tokens=2))  # free again once finished
+    run_all(eng)
+
+
+def test_step_deltas_add_up_to_the_text(make_engine):
+    eng = make_engine()
+    params = SamplingParams(temperature=0, max_tokens=40)
+    text, final = {"0": "", "1": ""}, {}
+    for out in eng.stream(["Romeo.\n", "Hamlet.\n"], params):
+        text[out.request_id] += out.delta
+        if out.finished:
+            final[out.request_id] = out.text
+    assert text == final
+    assert final["0"] == eng.engine.generate("Romeo.\n", max_new_tokens=40)
+
+
+def test_llm_generate_runs_on_the_engine_with_max_num_seqs():
+    from roseinfer import LLM
+
+    llm = LLM(device="cpu", max_num_seqs=2)
+    outs = llm.generate(["Romeo.", "Juliet.", "Nurse.", "Friar."], SamplingParams(temperature=0, max_tokens=8))
+    assert [o.prompt for o in outs] == ["Romeo.", "Juliet.", "Nurse.", "Friar."]
+    assert all(o.finished for o in outs) and llm.block_manager.stats().used_blocks == 0
+
+
+def test_online_example_shows_a_join_mid_flight():
+    r = run_python("scripts/online_example.py", "--device", "cpu", "--num-requests", "5", "--max-steps", "400")
+    assert r.returncode == 0, r.stderr
+    assert "joins while" in r.stdout and "TTFT" in r.stdout
