@@ -14,8 +14,9 @@ One block id covers *all* layers (as in vLLM): block 7 means "slot range 7 in ev
 layer's K and V". One table per sequence is then enough, and every layer indexes its
 own pool with the same ids.
 
-In this stage the manager only keeps the books: the K/V tensors still live in each
-session. Stage 07 makes the pool real.
+Stage 04 only kept the books. From stage 07 the manager also owns the memory: its
+`kv_cache` is the preallocated pool (see `roseinfer/kv_cache.py`), and `slot()` turns
+(sequence, position) into the pool slot that holds that token's K/V.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from roseinfer.kv_cache import KVCache
 
 
 class AllocStatus(enum.Enum):
@@ -86,6 +91,7 @@ class BlockSpaceManager:
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.block_tables: dict[str, list[int]] = {}  # seq id -> physical block ids
         self.num_tokens: dict[str, int] = {}  # seq id -> token slots in use
+        self.kv_cache: KVCache | None = None  # the pool these ids index (stage 07), set by the engine
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)  # ceil
@@ -129,6 +135,10 @@ class BlockSpaceManager:
         for block in self.block_tables.pop(seq_id, []):
             self.free_block_ids.append(block)
         self.num_tokens.pop(seq_id, None)
+
+    def slot(self, seq_id: str, position: int) -> int:
+        """The pool slot of token `position` of a sequence: block_id * block_size + offset."""
+        return self.block_tables[seq_id][position // self.block_size] * self.block_size + position % self.block_size
 
     # ---- inspection ----------------------------------------------------------------
     def get_block_table(self, seq_id: str) -> list[int]:

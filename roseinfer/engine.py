@@ -6,12 +6,16 @@ sequence through the model and keeps only the last position's logits:
     step 1:  [p0 p1 p2]          -> t3
     step 2:  [p0 p1 p2 t3]       -> t4      (work grows with length: O(n²) overall)
 
-KV cache (stage 02): one `prefill` over the prompt keeps every layer's keys and values;
-each `decode_step` then feeds only the newest token, at its exact position:
+KV cache (stage 02): one prefill over the prompt keeps every layer's keys and values;
+each decode step then feeds only the newest token, at its exact position:
 
     prefill:  [p0 p1 p2]  -> t3, cache K/V(p0..p2)
     decode:   [t3] @ pos 3 -> t4, cache += K/V(t3)
     decode:   [t4] @ pos 4 -> t5, cache += K/V(t4)
+
+Paged (stage 07): the cache is one preallocated pool of blocks owned by the block manager.
+Each forward gets an AttentionMetadata: where to write the new K/V (slot_mapping) and,
+for decode, where every sequence's earlier K/V are (block_tables, context_lens).
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ import os
 from collections.abc import Iterator
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
+from roseinfer.attention import AttentionMetadata
 from roseinfer.block_manager import BlockSpaceManager
 from roseinfer.detokenizer import Detokenizer
+from roseinfer.kv_cache import KVCache
 from roseinfer.loader import load_model, pick_device, pick_dtype
 from roseinfer.sampling import SamplingParams, sample
 from roseinfer.session import InferenceSession
@@ -42,15 +47,21 @@ class InferenceEngine:
         block_size: int = 16,
         num_blocks: int | None = None,
         kv_cache_memory: int | None = None,
+        gpu_memory_utilization: float = 0.9,
     ):
         self.use_kv_cache = use_kv_cache
         self.block_size, self.num_blocks, self.kv_cache_memory = block_size, num_blocks, kv_cache_memory
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        self.gpu_memory_utilization = gpu_memory_utilization
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
         self.model, self.model_dir = load_model(model, self.device, self.dtype)
         self.config = self.model.config
         self.tokenizer = Tokenizer.from_model_dir(self.model_dir, self.config.vocab_size)
         self.eos_token_id = self.tokenizer.eos_token_id
+        # a pool for one sequence, used by the single-request path (token_stream, stream, generate)
+        self.solo_block_manager = BlockSpaceManager(block_size, -(-self.config.n_positions // block_size))
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -58,13 +69,26 @@ class InferenceEngine:
         return 2 * self.config.n_layer * self.config.n_embd * self.dtype.itemsize
 
     def make_block_manager(self) -> BlockSpaceManager:
-        """A block manager sized by `num_blocks`, or by `kv_cache_memory` bytes (default 256 MiB)."""
+        """A block manager for a KV pool of `num_blocks`; else of `kv_cache_memory` bytes; else, on
+        CUDA, of what fits in `gpu_memory_utilization` of the card; else 256 MiB."""
         return BlockSpaceManager(
-            self.block_size,
-            self.num_blocks,
-            kv_cache_memory=self.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY,
-            bytes_per_token=self.kv_bytes_per_token,
+            self.block_size, self.num_blocks, kv_cache_memory=self._kv_budget(), bytes_per_token=self.kv_bytes_per_token
         )
+
+    def _kv_budget(self) -> int:
+        if self.kv_cache_memory:
+            return self.kv_cache_memory
+        if self.device.type == "cuda":  # the card's share for us, minus what is already used (weights ...)
+            free, total = torch.cuda.mem_get_info(self.device)
+            return int(total * self.gpu_memory_utilization - (total - free))
+        return DEFAULT_KV_CACHE_MEMORY
+
+    def kv_cache_for(self, block_manager: BlockSpaceManager) -> KVCache:
+        """The pool behind a block manager, allocated on first use."""
+        if block_manager.kv_cache is None:
+            bm = block_manager
+            bm.kv_cache = KVCache(self.config, bm.num_blocks, bm.block_size, self.dtype, self.device)
+        return block_manager.kv_cache
 
     # ---- input checks -------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -104,74 +128,74 @@ class InferenceEngine:
         )
 
     def step_session(self, session: InferenceSession) -> int:
-        """Advance one unfinished session by one token and return it."""
-        self.step_sessions([session])
+        """Advance one unfinished session by one token and return it (single-request path)."""
+        bm = self.solo_block_manager
+        if session.request_id not in bm.block_tables:
+            for old in list(bm.block_tables):  # one session at a time: drop anything abandoned
+                bm.free(old)
+            bm.allocate(session.request_id, session.num_tokens)
+        else:
+            bm.append_slot(session.request_id)
+        self.step_sessions([session], bm)
+        if session.finished:
+            bm.free(session.request_id)
         return session.output_ids[-1]
 
     @torch.inference_mode()
-    def step_sessions(self, sessions: list[InferenceSession]) -> None:
-        """Advance unfinished sessions by one token each.
+    def step_sessions(self, sessions: list[InferenceSession], block_manager: BlockSpaceManager) -> None:
+        """Advance unfinished sessions by one token each. Their KV slots must already be booked in
+        `block_manager` (the scheduler does that): blocks for the whole sequence at prefill,
+        one more slot per decode.
 
-        New sessions are prefilled one by one (prompts differ in length); every session that
-        is already decoding goes through ONE batched forward. Then the whole [B, V] batch of
+        New (or preempted) sessions are prefilled one by one; every decoding session goes through
+        ONE batched forward that reads its K/V from the paged pool. Then the whole [B, V] batch of
         logits is sampled at once, each row with its own SamplingParams and generator.
         """
+        if not sessions:
+            return
         if not self.use_kv_cache:  # naive: the whole sequence again, one session at a time
             rows = [
                 self.model(torch.tensor([s.prompt_ids + s.output_ids], device=self.device))[:, -1] for s in sessions
             ]
             order = sessions
         else:
-            prefills = [s for s in sessions if s.kv_cache is None]
-            decodes = [s for s in sessions if s.kv_cache is not None]
-            rows = [self._prefill(s) for s in prefills]
+            pool = self.kv_cache_for(block_manager).layers
+            prefills = [s for s in sessions if s.num_computed_tokens == 0]
+            decodes = [s for s in sessions if s.num_computed_tokens > 0]
+            rows = [self._prefill(s, block_manager, pool) for s in prefills]
             if decodes:
-                rows.append(self._decode_batch(decodes))
+                rows.append(self._decode(decodes, block_manager, pool))
             order = prefills + decodes
-        if not order:
-            return
         logits = torch.cat(rows)  # [B, V]
         next_ids = sample(logits, [s.params for s in order], [s.generator for s in order]).tolist()
         for session, token_id in zip(order, next_ids, strict=True):
             session.append_token(token_id)
 
-    def _prefill(self, session: InferenceSession) -> torch.Tensor:
-        """The whole prompt once; keep its K/V. Returns the last position's logits [1, V]."""
-        logits, session.kv_cache = self.model.prefill(torch.tensor([session.prompt_ids], device=self.device))
+    def _prefill(self, session: InferenceSession, bm: BlockSpaceManager, pool) -> torch.Tensor:
+        """Run the whole sequence once, writing its K/V into the pool. Returns the last logits [1, V].
+
+        For a new request that is the prompt; for a preempted one, prompt + the tokens it had generated."""
+        tokens = session.prompt_ids + session.output_ids
+        meta = prefill_metadata(session, bm, self.device)
+        logits = self.model(torch.tensor([tokens], device=self.device), None, pool, meta)  # [1, T, V]
+        session.num_computed_tokens = len(tokens)
         return logits[:, -1]
 
-    def _decode_batch(self, sessions: list[InferenceSession]) -> torch.Tensor:
+    def _decode(self, sessions: list[InferenceSession], bm: BlockSpaceManager, pool) -> torch.Tensor:
         """One batched forward for the newest token of every session. Returns logits [B, V].
 
-        Caches have different lengths L_i, so we pad them to L = max L_i (right padding),
-        mask the padding out, and give every row its own position id L_i (not L!):
+        No padding and no copies of the cache: each row only needs its block table.
 
-            row 0: k0 k1 k2 ·  ·  | new      mask 1 1 1 0 0 1   position 3
-            row 1: k0 k1 k2 k3 k4 | new      mask 1 1 1 1 1 1   position 5
+            seq 0: pos 37, table [7, 2, 9]   -> new K/V go to slot 9·16 + 5, attend to 38 tokens
+            seq 1: pos 15, table [4]         -> slot 4·16 + 15, attend to 16 tokens
         """
-        lens = torch.tensor([s.num_tokens - 1 for s in sessions], device=self.device)  # cached tokens L_i: [B]
-        L = int(lens.max())
-        tokens = torch.tensor([s.last_token_id for s in sessions], device=self.device)  # [B]
-        slots = torch.arange(L + 1, device=self.device)  # [L + 1]
-        attn_mask = (slots[None, :] < lens[:, None]) | (slots[None, :] == L)  # [B, L + 1]
-        past = []
-        for layer in range(self.config.n_layer):  # stack: pad each session's [1, H, L_i, D] to [B, H, L, D]
-            k, v = (
-                pad_sequence([s.kv_cache[layer][j][0].transpose(0, 1) for s in sessions], batch_first=True).transpose(
-                    1, 2
-                )  # [B, L, H, D] -> [B, H, L, D]
-                for j in (0, 1)
-            )
-            past.append((k, v))
-        logits, new_kv = self.model.decode_step(tokens, lens, past, attn_mask)
-        for i, s in enumerate(sessions):  # split: keep each row's real keys plus the new one
-            n = int(lens[i])
-            s.kv_cache = [
-                (torch.cat([k[i : i + 1, :, :n], k[i : i + 1, :, L:]], dim=2),
-                 torch.cat([v[i : i + 1, :, :n], v[i : i + 1, :, L:]], dim=2))
-                for k, v in new_kv
-            ]  # fmt: skip
-        return logits
+        meta = decode_metadata(sessions, bm, self.device)
+        positions = (meta.context_lens - 1).long()[:, None]  # the newest token's position, per row: [B, 1]
+        tokens = torch.tensor([[s.last_token_id] for s in sessions], device=self.device)  # [B, 1]
+        logits = self.model(tokens, positions, pool, meta)  # [B, 1, V]
+        for s in sessions:
+            s.num_computed_tokens = s.num_tokens
+        return logits[:, -1]
 
     # ---- one request at a time ----------------------------------------------------------
     def token_stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
@@ -208,3 +232,29 @@ class InferenceEngine:
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         return SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed, **sampling)
+
+
+# ---- attention metadata (vLLM's names) -------------------------------------------------
+def prefill_metadata(session: InferenceSession, bm: BlockSpaceManager, device: torch.device) -> AttentionMetadata:
+    """One slot per token of the sequence, in order."""
+    slots = [bm.slot(session.request_id, pos) for pos in range(session.num_tokens)]
+    return AttentionMetadata(is_prefill=True, slot_mapping=torch.tensor(slots, device=device))
+
+
+def decode_metadata(sessions: list[InferenceSession], bm: BlockSpaceManager, device: torch.device) -> AttentionMetadata:
+    """Decode: the newest token of each sequence is at position num_tokens - 1.
+
+    slot_mapping  [B]              where its K/V go: table[pos // bs] * bs + pos % bs
+    block_tables  [B, max_blocks]  each row's physical blocks, padded with 0 (never read)
+    context_lens  [B]              pos + 1 tokens to attend to
+    """
+    ids = [s.request_id for s in sessions]
+    positions = [s.num_tokens - 1 for s in sessions]
+    tables = [bm.block_tables[i] for i in ids]
+    width = max(map(len, tables))
+    return AttentionMetadata(
+        is_prefill=False,
+        slot_mapping=torch.tensor([bm.slot(i, p) for i, p in zip(ids, positions, strict=True)], device=device),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+        context_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=device),
+    )

@@ -34,12 +34,14 @@ class LLM:
         num_blocks: int | None = None,
         kv_cache_memory: int | None = None,
         max_num_seqs: int = 64,
+        gpu_memory_utilization: float = 0.9,
     ):
-        """`block_size`, `num_blocks` / `kv_cache_memory` (bytes) size the KV block pool;
-        `max_num_seqs` caps how many requests decode together."""
+        """`block_size`, `num_blocks` / `kv_cache_memory` (bytes; CPU default 256 MiB) /
+        `gpu_memory_utilization` (CUDA) size the KV pool; `max_num_seqs` caps how many
+        requests decode together."""
         self.llm_engine = LLMEngine(
             model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
-            kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+            kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization,
         )  # fmt: skip
         self.engine = self.llm_engine.engine
         self.tokenizer = self.llm_engine.tokenizer

@@ -36,13 +36,15 @@ class LLMEngine:
         num_blocks: int | None = None,
         kv_cache_memory: int | None = None,
         max_num_seqs: int = 64,
+        gpu_memory_utilization: float = 0.9,
     ):
         self.engine = InferenceEngine(
             model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
-            kv_cache_memory=kv_cache_memory,
+            kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
         )  # fmt: skip
         self.tokenizer = self.engine.tokenizer
         self.block_manager = self.engine.make_block_manager()
+        self.engine.kv_cache_for(self.block_manager)  # allocate the KV pool now
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs)
         self.sessions: dict[str, InferenceSession] = {}  # unfinished requests by id
         self.trace: list[dict] | None = None  # set to [] to record every step (notebooks, examples)
@@ -69,9 +71,9 @@ class LLMEngine:
         """Run one scheduler step; return an output for every request that ran."""
         try:
             batch = self.scheduler.schedule()
-            self.engine.step_sessions(batch)
+            self.engine.step_sessions(batch, self.block_manager)
         except BaseException:
-            for s in list(self.sessions.values()):  # KV pool exhausted, failed forward: fail all, leak no block
+            for s in list(self.sessions.values()):  # a failed forward: fail every request, leak no block
                 self._retire(s, reason="abort")
             raise
         outputs = [s.output(delta=s.last_delta) for s in batch]
@@ -96,7 +98,6 @@ class LLMEngine:
     def _retire(self, session: InferenceSession, reason: str | None = None) -> None:
         if reason and not session.finished:
             session.finish_reason = reason
-            session.kv_cache = None
         self.scheduler.finish(session)
         self.sessions.pop(session.request_id, None)
 
@@ -108,5 +109,6 @@ class LLMEngine:
             "finished": [s.request_id for s in batch if s.finished],
             "waiting": [s.request_id for s in self.scheduler.waiting],
             "running": [s.request_id for s in self.scheduler.running],
+            "preemptions": self.scheduler.num_preemptions,
             **self.block_manager.snapshot(),
         }

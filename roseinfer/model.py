@@ -19,7 +19,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-KV = tuple[torch.Tensor, torch.Tensor]  # one layer's (keys, values), each [B, H, T, D]
+from roseinfer.attention import AttentionMetadata, paged_attention, write_kv
+
+KV = tuple[torch.Tensor, torch.Tensor]  # one layer's (K pool, V pool), each [num_blocks, block_size, H, D]
 
 
 @dataclass
@@ -63,31 +65,29 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # q, k, v in one matmul
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
-    def forward(
-        self, x: torch.Tensor, past: KV | None = None, attn_mask: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, KV]:
-        """x [B, T, C]; `past` holds the K/V of earlier tokens ([B, H, T_past, D] each).
-        `attn_mask` [B, T_past + 1] (decode only) is True where a key may be attended to:
-        in a padded batch it hides each row's padding.
+    def forward(self, x: torch.Tensor, kv_cache: KV | None = None, meta: AttentionMetadata | None = None):
+        """x [B, T, C] -> [B, T, C].
 
-        Returns the output [B, T, C] and this layer's K/V including the new tokens.
+        Without a cache this is plain causal attention (the naive path). With the paged cache
+        (`kv_cache` = this layer's K and V pools [num_blocks, block_size, H, D]) the new
+        tokens' K/V are first written into their slots (`meta.slot_mapping`), then:
+          prefill (B = 1, the whole prompt): attend within the prompt's own q/k/v;
+          decode (T = 1 per sequence): read every earlier token through the block table.
         """
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 × [B, T, C]
-        # split C into heads: [B, T, C] -> [B, H, T, D]
-        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = k.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        if past is not None:
-            # Decode: one new token attends to every cached token and to itself, so no causal mask is needed.
-            assert T == 1, "with a KV cache, feed one token at a time"
-            k = torch.cat([past[0], k], dim=2)  # [B, H, T_past + 1, D]
-            v = torch.cat([past[1], v], dim=2)
-        # softmax(q kᵀ / √D) v, where token t may only look at tokens ≤ t
-        mask = None if attn_mask is None else attn_mask[:, None, None, :]  # [B, 1, 1, T_past + 1]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=past is None)  # [B, H, T, D]
-        y = y.transpose(1, 2).reshape(B, T, C)  # merge heads back: [B, T, C]
-        return self.c_proj(y), (k, v)
+        q, k, v = (t.view(B, T, self.n_head, self.head_dim) for t in (q, k, v))  # [B, T, H, D]
+        if kv_cache is not None:
+            write_kv(k.reshape(B * T, self.n_head, self.head_dim), v.reshape(B * T, self.n_head, self.head_dim),
+                     kv_cache[0], kv_cache[1], meta.slot_mapping)  # fmt: skip
+        if kv_cache is None or meta.is_prefill:
+            # softmax(q kᵀ / √D) v over [B, H, T, D], where token t may only look at tokens ≤ t
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            y = y.transpose(1, 2)  # [B, T, H, D]
+        else:
+            y = paged_attention(q[:, 0], kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens,
+                                self.head_dim**-0.5)[:, None]  # fmt: skip  # [B, 1, H, D]
+        return self.c_proj(y.reshape(B, T, C))  # merge heads back: [B, T, C]
 
 
 class MLP(nn.Module):
@@ -109,12 +109,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.mlp = MLP(cfg)
 
-    def forward(
-        self, x: torch.Tensor, past: KV | None = None, attn_mask: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, KV]:
-        a, kv = self.attn(self.ln_1(x), past, attn_mask)
-        x = x + a
-        return x + self.mlp(self.ln_2(x)), kv
+    def forward(self, x: torch.Tensor, kv_cache: KV | None = None, meta: AttentionMetadata | None = None):
+        x = x + self.attn(self.ln_1(x), kv_cache, meta)
+        return x + self.mlp(self.ln_2(x))
 
 
 class GPT2(nn.Module):
@@ -131,40 +128,22 @@ class GPT2(nn.Module):
         )
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, past: list[KV] | None = None
-    ) -> torch.Tensor:
-        """input_ids [B, T] -> logits [B, T, V]. Positions default to 0..T-1."""
-        return self._run(input_ids, position_ids, past)[0]
-
-    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:
-        """Run the whole prompt once. input_ids [B, T] -> (logits [B, T, V], per-layer K/V [B, H, T, D])."""
-        return self._run(input_ids, None, None)
-
-    def decode_step(
-        self, token_ids: torch.Tensor, position_ids: torch.Tensor, past: list[KV], attn_mask: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, list[KV]]:
-        """One new token per sequence: token_ids [B], position_ids [B] -> (logits [B, V], K/V grown by one).
-
-        In a batch of different lengths, `past` is padded and `attn_mask` [B, T_past + 1] marks real keys.
-        """
-        logits, kv = self._run(token_ids[:, None], position_ids[:, None], past, attn_mask)
-        return logits[:, -1], kv
-
-    def _run(
         self,
         input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None,
-        past: list[KV] | None,
-        attn_mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, list[KV]]:
+        position_ids: torch.Tensor | None = None,
+        kv_caches: list[KV] | None = None,
+        meta: AttentionMetadata | None = None,
+    ) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, V]. Positions default to 0..T-1.
+
+        `kv_caches` (one (K, V) pool per layer) and `meta` switch on the paged KV cache.
+        """
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         tr = self.transformer
         x = tr.wte(input_ids) + tr.wpe(position_ids)  # [B, T, C]
-        new_kv = []
         for i, block in enumerate(tr.h):
-            x, kv = block(x, None if past is None else past[i], attn_mask)
-            new_kv.append(kv)
+            x = block(x, None if kv_caches is None else kv_caches[i], meta)
         x = tr.ln_f(x)
-        return F.linear(x, tr.wte.weight), new_kv  # tied LM head: [B, T, C] @ [C, V] -> [B, T, V]
+        return F.linear(x, tr.wte.weight)  # tied LM head: [B, T, C] @ [C, V] -> [B, T, V]

@@ -65,7 +65,7 @@ class OfflineScheduler:
         ran = []
         try:
             batch = [s for s in self.sessions.values() if not s.finished and self._reserve_slots(s)]
-            self.engine.step_sessions(batch)  # prefills, then ONE batched decode for the rest
+            self.engine.step_sessions(batch, self.block_manager)  # prefills, then ONE batched decode
             for session in batch:
                 ran.append(session.request_id)
                 if session.finished:
@@ -112,12 +112,16 @@ class OfflineScheduler:
 class Scheduler:
     """Continuous batching (stage 06): requests join and leave the batch at every step.
 
-    Two queues, as in vLLM. `waiting`: requests not started yet (FCFS). `running`: requests
-    that hold KV blocks and decode one token per step. Each `schedule()` call:
+    Two queues, as in vLLM. `waiting`: requests not running (new, or preempted), FCFS.
+    `running`: requests that hold KV blocks and decode one token per step. Each `schedule()`:
 
-      1. admits waiting requests, oldest first, while fewer than `max_num_seqs` run and the
-         block manager answers OK for the prompt (LATER: stop admitting, wait a step);
-      2. books one KV slot for every running request that decodes this step;
+      1. books one KV slot for every running request, oldest first. When the pool has no
+         free block, the most recently admitted running request is *preempted* (stage 07):
+         its blocks go back and it returns to the front of `waiting`; when readmitted it
+         recomputes its K/V (prompt + what it generated) in one prefill and carries on;
+      2. admits waiting requests, oldest first, while fewer than `max_num_seqs` run and the
+         block manager answers OK (LATER: stop admitting, wait a step). Nothing is admitted
+         in a step that had to preempt;
       3. returns the batch: newly admitted (to prefill) + running (to decode).
 
     The caller runs the batch and calls `finish()` for requests that ended: their blocks
@@ -131,13 +135,16 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[InferenceSession] = deque()
         self.running: list[InferenceSession] = []
+        self.num_preemptions = 0
 
     def add(self, session: InferenceSession) -> None:
-        """Queue a request; a prompt that can never fit in the pool fails here, alone."""
-        bm, n = self.block_manager, len(session.prompt_ids)
-        if bm.can_allocate(n) is AllocStatus.NEVER:
+        """Queue a request. One that could not fit the pool even alone (prompt + max_tokens) fails here."""
+        bm = self.block_manager
+        n = min(session.num_tokens + session.params.max_tokens, session.max_context)
+        if bm.blocks_for(n) > bm.num_blocks:
             raise ValueError(
-                f"prompt needs {bm.blocks_for(n)} KV blocks of {bm.block_size} tokens, "
+                f"request needs up to {bm.blocks_for(n)} KV blocks of {bm.block_size} tokens "
+                f"({len(session.prompt_ids)} prompt + {n - len(session.prompt_ids)} new tokens), "
                 f"but the whole KV cache pool has {bm.num_blocks}"
             )
         self.waiting.append(session)
@@ -145,23 +152,35 @@ class Scheduler:
     def schedule(self) -> list[InferenceSession]:
         """Pick this step's batch (see the class docstring)."""
         bm = self.block_manager
+        decoding, preempted = [], False
+        for session in list(self.running):  # oldest first
+            if session not in self.running:
+                continue  # preempted earlier in this loop
+            while not bm.can_append_slot(session.request_id):
+                self._preempt(self.running[-1])  # the youngest gives its blocks back
+                preempted = True
+                if session not in self.running:
+                    break
+            else:
+                bm.append_slot(session.request_id)
+                decoding.append(session)
         admitted = []
-        while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
+        while not preempted and self.waiting and len(self.running) < self.max_num_seqs:
             session = self.waiting[0]
-            if bm.can_allocate(len(session.prompt_ids)) is not AllocStatus.OK:
+            if bm.can_allocate(session.num_tokens) is not AllocStatus.OK:
                 break  # FCFS: nobody overtakes the oldest waiting request
-            bm.allocate(session.request_id, len(session.prompt_ids))
-            admitted.append(self.waiting.popleft())
-        decoding = [s for s in self.running if bm.can_append_slot(s.request_id)]
-        if not admitted and not decoding and self.running:
-            raise KVCacheFullError(
-                f"KV cache pool exhausted: all {bm.num_blocks} blocks are held by running requests that each "
-                f"need one more; give the engine more KV memory (num_blocks / kv_cache_memory)"
-            )
-        for s in decoding:
-            bm.append_slot(s.request_id)
-        self.running += admitted
+            bm.allocate(session.request_id, session.num_tokens)
+            self.running.append(self.waiting.popleft())
+            admitted.append(session)
         return admitted + decoding
+
+    def _preempt(self, session: InferenceSession) -> None:
+        """Preempt by recompute: drop the K/V, keep the tokens, go back to the front of the queue."""
+        self.block_manager.free(session.request_id)
+        self.running.remove(session)
+        session.num_computed_tokens = 0
+        self.waiting.appendleft(session)
+        self.num_preemptions += 1
 
     def finish(self, session: InferenceSession) -> None:
         """A request ended (or was aborted): free its blocks and its place in the batch."""

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 import torch
 
 from roseinfer.detokenizer import Detokenizer
-from roseinfer.model import KV
 from roseinfer.outputs import RequestOutput
 from roseinfer.sampling import SamplingParams
 
@@ -29,7 +28,7 @@ class InferenceSession:
     eos_token_id: int
     max_context: int  # the model's context length
     output_ids: list[int] = field(default_factory=list)
-    kv_cache: list[KV] | None = None  # per layer (K, V) [1, H, T, D]; None until prefill
+    num_computed_tokens: int = 0  # tokens whose K/V are in the paged cache; 0 = needs a prefill
     finish_reason: str | None = None
     last_delta: str = ""  # the text that became final with the latest token (for streaming)
 
@@ -58,7 +57,6 @@ class InferenceSession:
             self.finish_reason = "length"
         if self.finished:
             self.last_delta += self.detokenizer.flush()
-            self.kv_cache = None  # give the memory back now, not when the caller drops us
 
     def output(self, delta: str = "") -> RequestOutput:
         return RequestOutput(

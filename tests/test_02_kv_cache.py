@@ -29,18 +29,32 @@ def test_kv_cache_greedy_equals_naive_equals_hf(engine, naive_engine, hf_model):
 
 
 def test_prefill_and_decode_logits_equal_full_forward(engine):
+    """Cached decoding must give the logits of a full forward. (Stage 07: through the paged cache.)"""
+    from roseinfer.attention import AttentionMetadata
+    from roseinfer.block_manager import BlockSpaceManager
+    from roseinfer.kv_cache import KVCache
+
     model = engine.model
-    ids = torch.tensor([engine.tokenizer.encode(PROMPTS[1])])  # [1, T]
-    T = ids.shape[1]
+    ids = engine.tokenizer.encode(PROMPTS[1])
+    T = len(ids)
+    bm = BlockSpaceManager(block_size=8, num_blocks=16)
+    pool = KVCache(model.config, 16, 8, torch.float32, torch.device("cpu")).layers
     with torch.no_grad():
-        full = model(ids)  # [1, T, V]
-        logits, kv = model.prefill(ids[:, : T - 5])
+        full = model(torch.tensor([ids]))  # [1, T, V]
+        bm.allocate("s", T - 5)
+        slots = torch.tensor([bm.slot("s", p) for p in range(T - 5)])
+        logits = model(torch.tensor([ids[: T - 5]]), None, pool, AttentionMetadata(True, slots))
         assert torch.allclose(logits, full[:, : T - 5], atol=1e-4)
-        assert kv[0][0].shape == (1, model.config.n_head, T - 5, model.config.head_dim)  # [B, H, T, D]
         for t in range(T - 5, T):
-            step_logits, kv = model.decode_step(ids[:, t], torch.tensor([t]), kv)
+            bm.append_slot("s")
+            meta = AttentionMetadata(
+                False,
+                torch.tensor([bm.slot("s", t)]),
+                torch.tensor([bm.get_block_table("s")], dtype=torch.int32),
+                torch.tensor([t + 1], dtype=torch.int32),
+            )
+            step_logits = model(torch.tensor([[ids[t]]]), torch.tensor([[t]]), pool, meta)[:, -1]
             assert torch.allclose(step_logits, full[:, t], atol=1e-4), t
-    assert kv[-1][1].shape[2] == T
 
 
 def test_kv_cache_on_a_random_checkpoint_matches_naive(tmp_path):

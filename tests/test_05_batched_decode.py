@@ -31,33 +31,6 @@ def test_batched_greedy_equals_sequential_equals_hf(engine, hf_model):
         assert out[rid].token_ids == hf_greedy(hf_model, ids, 32), prompt[:30]
 
 
-def test_padded_decode_step_equals_row_by_row(engine):
-    """Each row gets its own position id and mask; padding must not change any row's logits."""
-    model = engine.model
-    prompts = [engine.tokenizer.encode(p) for p in ("Romeo.", LONG[:80], "To be, or not to be")]
-    rows, caches = [], []
-    with torch.no_grad():
-        for ids in prompts:
-            _, kv = model.prefill(torch.tensor([ids[:-1]]))
-            logits, _ = model.decode_step(torch.tensor([ids[-1]]), torch.tensor([len(ids) - 1]), kv)
-            rows.append(logits)
-            caches.append(kv)
-        lens = torch.tensor([len(ids) - 1 for ids in prompts])
-        L = int(lens.max())
-        past = []
-        for layer in range(model.config.n_layer):
-            k = torch.zeros(3, model.config.n_head, L, model.config.head_dim)
-            v = torch.zeros_like(k)
-            for i, kv in enumerate(caches):
-                k[i, :, : lens[i]], v[i, :, : lens[i]] = kv[layer][0][0], kv[layer][1][0]
-            past.append((k, v))
-        mask = (torch.arange(L + 1)[None] < lens[:, None]) | (torch.arange(L + 1)[None] == L)
-        batched, _ = model.decode_step(torch.tensor([ids[-1] for ids in prompts]), lens, past, mask)
-        assert torch.allclose(batched, torch.cat(rows), atol=1e-4)
-        wrong, _ = model.decode_step(torch.tensor([ids[-1] for ids in prompts]), torch.full((3,), L), past, mask)
-        assert not torch.allclose(wrong, torch.cat(rows), atol=1e-2)  # the blog bug: padded positions
-
-
 def test_seeded_sampling_is_the_same_alone_or_in_a_batch(engine):
     params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.95, max_tokens=24, seed=s) for s in range(4)]
     prompts = ["Romeo.\n", LONG, "Nurse.\n", "KING."]

@@ -6,7 +6,6 @@ import pytest
 from conftest import run_python
 
 from roseinfer import LLMEngine, SamplingParams
-from roseinfer.scheduler import KVCacheFullError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
@@ -122,14 +121,14 @@ def test_abort_running_and_waiting_requests(make_engine):
         eng.abort_request("b")
 
 
-def test_pool_exhausted_fails_every_request_and_leaks_nothing(make_engine):
+def test_request_that_cannot_fit_the_pool_even_alone_is_refused(make_engine):
+    """Stage 07 changed this: with preemption the pool never deadlocks, as long as every request fits
+    alone (prompt + max_tokens). One that cannot is refused at submission; the others are unharmed."""
     eng = make_engine(block_size=4, num_blocks=4)
-    p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    eng.add_request("a", list(range(1, 9)), p)  # 2 blocks each: the pool is full after the prefills
-    eng.add_request("b", list(range(20, 28)), p)
-    with pytest.raises(KVCacheFullError, match="exhausted"):
-        run_all(eng)
-    assert not eng.has_unfinished_requests()
+    eng.add_request("ok", list(range(1, 5)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    with pytest.raises(ValueError, match="KV blocks"):
+        eng.add_request("a", list(range(1, 9)), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert len(run_all(eng)["ok"]) == 8
 
 
 def test_duplicate_request_id_is_refused(make_engine):

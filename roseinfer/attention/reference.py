@@ -1,0 +1,68 @@
+"""Paged attention in plain PyTorch: runs on CPU and CUDA, and is the oracle for faster kernels.
+
+The KV cache of one layer is a pool of fixed-size blocks shared by every sequence:
+
+    k_cache, v_cache: [num_blocks, block_size, H, D]
+
+A token's K/V vectors live in one *slot* of the pool, `slot = block_id * block_size + offset`.
+A sequence owns a list of blocks (its row of `block_tables`); logical token `t` of sequence `b`
+lives in physical block `block_tables[b, t // block_size]` at offset `t % block_size`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_reference(
+    key: torch.Tensor,  # [N, H, D] K of the N new tokens
+    value: torch.Tensor,  # [N, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, H, D], written in place
+    v_cache: torch.Tensor,  # [num_blocks, block_size, H, D], written in place
+    slot_mapping: torch.Tensor,  # [N] int, physical slot of each token; < 0 means "padding, skip"
+) -> None:
+    """Scatter the new tokens' K/V into their slots of the pool (vLLM's `reshape_and_cache`)."""
+    block_size = k_cache.shape[1]
+    valid = slot_mapping >= 0  # [N] bool
+    # Boolean indexing keeps only the real tokens (on CUDA it costs one host sync: fine for a reference).
+    slots = slot_mapping[valid].long()  # [n] with n <= N
+    blocks, offsets = slots // block_size, slots % block_size  # [n], [n]
+    k_cache[blocks, offsets] = key[valid].to(k_cache.dtype)  # each token writes one [H, D] slice
+    v_cache[blocks, offsets] = value[valid].to(v_cache.dtype)
+
+
+def paged_attention_reference(
+    q: torch.Tensor,  # [B, H, D] one query token per sequence (decode)
+    k_cache: torch.Tensor,  # [num_blocks, block_size, H, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, H, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int, physical block of each logical block
+    context_lens: torch.Tensor,  # [B] int, tokens each sequence attends to (>= 1, the new one included)
+    scale: float,  # usually 1 / sqrt(D)
+) -> torch.Tensor:  # [B, H, D], dtype of q
+    """Decode attention over a paged KV cache, for the whole batch at once (no loop over sequences).
+
+    1. Gather: `k_cache[block_tables]` copies each sequence's blocks, in logical order, into a
+       dense [B, max_blocks * block_size, H, D] tensor (padded to the longest block table).
+    2. Mask: positions >= context_len hold stale data from earlier owners (in tests even NaN),
+       so they are excluded from the softmax, and zeroed first (NaN + -inf and 0 * NaN are NaN).
+    3. Attention in fp32 with `scaled_dot_product_attention`, cast back to q's dtype.
+    """
+    B, H, D = q.shape
+    block_size = k_cache.shape[1]
+    max_blocks = block_tables.shape[1]
+    lens = context_lens.long()  # [B]
+
+    # Table entries past a sequence's last block may hold anything: point them at block 0 so the gather is safe.
+    n_blocks = (lens + block_size - 1) // block_size  # [B] blocks in use per sequence
+    used = torch.arange(max_blocks, device=q.device)[None, :] < n_blocks[:, None]  # [B, max_blocks]
+    tables = torch.where(used, block_tables.long(), 0)  # [B, max_blocks]
+
+    L = max_blocks * block_size  # padded context length
+    k = k_cache[tables].reshape(B, L, H, D).transpose(1, 2).float()  # [B, max_blocks, block_size, H, D] -> [B, H, L, D]
+    v = v_cache[tables].reshape(B, L, H, D).transpose(1, 2).float()  # [B, H, L, D]
+    valid = torch.arange(L, device=q.device)[None, :] < lens[:, None]  # [B, L] True for real tokens
+    k, v = (torch.where(valid[:, None, :, None], t, 0.0) for t in (k, v))  # [B, H, L, D]: no NaN in masked slots
+    mask = valid[:, None, None, :]  # [B, 1, 1, L]: one query per sequence, attending to its own tokens
+    out = F.scaled_dot_product_attention(q.float()[:, :, None, :], k, v, attn_mask=mask, scale=scale)  # [B, H, 1, D]
+    return out[:, :, 0].to(q.dtype)
