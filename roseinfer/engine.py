@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import torch
 
-from roseinfer.attention import AttentionMetadata
+from roseinfer.attention import TORCH_BACKEND, AttentionBackend, AttentionMetadata, get_backend
 from roseinfer.block_manager import BlockSpaceManager
 from roseinfer.detokenizer import Detokenizer
 from roseinfer.kv_cache import KVCache
@@ -48,6 +48,7 @@ class InferenceEngine:
         num_blocks: int | None = None,
         kv_cache_memory: int | None = None,
         gpu_memory_utilization: float = 0.9,
+        attention_backend: str = "auto",
     ):
         self.use_kv_cache = use_kv_cache
         self.block_size, self.num_blocks, self.kv_cache_memory = block_size, num_blocks, kv_cache_memory
@@ -56,6 +57,7 @@ class InferenceEngine:
         self.gpu_memory_utilization = gpu_memory_utilization
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
+        self.attn_backend = get_backend(attention_backend, self.device)  # 'auto': triton on CUDA, torch on CPU
         self.model, self.model_dir = load_model(model, self.device, self.dtype)
         self.config = self.model.config
         self.tokenizer = Tokenizer.from_model_dir(self.model_dir, self.config.vocab_size)
@@ -176,7 +178,7 @@ class InferenceEngine:
 
         For a new request that is the prompt; for a preempted one, prompt + the tokens it had generated."""
         tokens = session.prompt_ids + session.output_ids
-        meta = prefill_metadata(session, bm, self.device)
+        meta = prefill_metadata(session, bm, self.device, self.attn_backend)
         logits = self.model(torch.tensor([tokens], device=self.device), None, pool, meta)  # [1, T, V]
         session.num_computed_tokens = len(tokens)
         return logits[:, -1]
@@ -189,7 +191,7 @@ class InferenceEngine:
             seq 0: pos 37, table [7, 2, 9]   -> new K/V go to slot 9·16 + 5, attend to 38 tokens
             seq 1: pos 15, table [4]         -> slot 4·16 + 15, attend to 16 tokens
         """
-        meta = decode_metadata(sessions, bm, self.device)
+        meta = decode_metadata(sessions, bm, self.device, self.attn_backend)
         positions = (meta.context_lens - 1).long()[:, None]  # the newest token's position, per row: [B, 1]
         tokens = torch.tensor([[s.last_token_id] for s in sessions], device=self.device)  # [B, 1]
         logits = self.model(tokens, positions, pool, meta)  # [B, 1, V]
@@ -235,13 +237,20 @@ class InferenceEngine:
 
 
 # ---- attention metadata (vLLM's names) -------------------------------------------------
-def prefill_metadata(session: InferenceSession, bm: BlockSpaceManager, device: torch.device) -> AttentionMetadata:
+def prefill_metadata(
+    session: InferenceSession, bm: BlockSpaceManager, device: torch.device, backend: AttentionBackend = TORCH_BACKEND
+) -> AttentionMetadata:
     """One slot per token of the sequence, in order."""
     slots = [bm.slot(session.request_id, pos) for pos in range(session.num_tokens)]
-    return AttentionMetadata(is_prefill=True, slot_mapping=torch.tensor(slots, device=device))
+    return AttentionMetadata(is_prefill=True, slot_mapping=torch.tensor(slots, device=device), backend=backend)
 
 
-def decode_metadata(sessions: list[InferenceSession], bm: BlockSpaceManager, device: torch.device) -> AttentionMetadata:
+def decode_metadata(
+    sessions: list[InferenceSession],
+    bm: BlockSpaceManager,
+    device: torch.device,
+    backend: AttentionBackend = TORCH_BACKEND,
+) -> AttentionMetadata:
     """Decode: the newest token of each sequence is at position num_tokens - 1.
 
     slot_mapping  [B]              where its K/V go: table[pos // bs] * bs + pos % bs
@@ -257,4 +266,5 @@ def decode_metadata(sessions: list[InferenceSession], bm: BlockSpaceManager, dev
         slot_mapping=torch.tensor([bm.slot(i, p) for i, p in zip(ids, positions, strict=True)], device=device),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
         context_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=device),
+        backend=backend,
     )

@@ -35,13 +35,16 @@ class LLM:
         kv_cache_memory: int | None = None,
         max_num_seqs: int = 64,
         gpu_memory_utilization: float = 0.9,
+        attention_backend: str = "auto",
     ):
         """`block_size`, `num_blocks` / `kv_cache_memory` (bytes; CPU default 256 MiB) /
         `gpu_memory_utilization` (CUDA) size the KV pool; `max_num_seqs` caps how many
-        requests decode together."""
+        requests decode together. `attention_backend`: 'auto' (triton on CUDA, torch on CPU),
+        'torch' or 'triton'."""
         self.llm_engine = LLMEngine(
             model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization,
+            attention_backend=attention_backend,
         )  # fmt: skip
         self.engine = self.llm_engine.engine
         self.tokenizer = self.llm_engine.tokenizer

@@ -37,10 +37,12 @@ class LLMEngine:
         kv_cache_memory: int | None = None,
         max_num_seqs: int = 64,
         gpu_memory_utilization: float = 0.9,
+        attention_backend: str = "auto",
     ):
         self.engine = InferenceEngine(
             model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
+            attention_backend=attention_backend,
         )  # fmt: skip
         self.tokenizer = self.engine.tokenizer
         self.block_manager = self.engine.make_block_manager()

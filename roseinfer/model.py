@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from roseinfer.attention import AttentionMetadata, paged_attention, write_kv
+from roseinfer.attention import AttentionMetadata
 
 KV = tuple[torch.Tensor, torch.Tensor]  # one layer's (K pool, V pool), each [num_blocks, block_size, H, D]
 
@@ -78,15 +78,16 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 × [B, T, C]
         q, k, v = (t.view(B, T, self.n_head, self.head_dim) for t in (q, k, v))  # [B, T, H, D]
         if kv_cache is not None:
-            write_kv(k.reshape(B * T, self.n_head, self.head_dim), v.reshape(B * T, self.n_head, self.head_dim),
-                     kv_cache[0], kv_cache[1], meta.slot_mapping)  # fmt: skip
+            meta.backend.write_kv(k.reshape(B * T, self.n_head, self.head_dim),
+                                  v.reshape(B * T, self.n_head, self.head_dim),
+                                  kv_cache[0], kv_cache[1], meta.slot_mapping)  # fmt: skip
         if kv_cache is None or meta.is_prefill:
             # softmax(q kᵀ / √D) v over [B, H, T, D], where token t may only look at tokens ≤ t
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
             y = y.transpose(1, 2)  # [B, T, H, D]
         else:
-            y = paged_attention(q[:, 0], kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens,
-                                self.head_dim**-0.5)[:, None]  # fmt: skip  # [B, 1, H, D]
+            y = meta.backend.paged_attention(q[:, 0], kv_cache[0], kv_cache[1], meta.block_tables,
+                                             meta.context_lens, self.head_dim**-0.5)[:, None]  # fmt: skip
         return self.c_proj(y.reshape(B, T, C))  # merge heads back: [B, T, C]
 
 

@@ -258,6 +258,30 @@ def run_hf_cb(wl: Workload, model_dir: Path, device, dtype, batch_size: int):
 ENGINES = {"roseinfer": run_roseinfer, "hf-generate": run_hf_generate, "hf-cb": run_hf_cb}
 
 
+def decode_roofline(wl: Workload, cfg: dict, dtype: torch.dtype, batch_size: int, bandwidth: float) -> dict:
+    """A lower bound on decode time from memory traffic alone (CUDA; decode is memory-bound).
+
+    Every decode step reads all the weights once, and there are at least
+    total_output_tokens / batch_size steps; every generated token reads its whole context's K/V
+    once. Prefill and compute are ignored, so the bound is optimistic.
+    """
+    C, L, V, P = cfg["n_embd"], cfg["n_layer"], cfg["vocab_size"], cfg.get("n_positions", 1024)
+    weight_bytes = (V * C + P * C + L * (12 * C * C + 13 * C) + 2 * C) * dtype.itemsize
+    kv_per_token = 2 * L * C * dtype.itemsize
+    steps = math.ceil(sum(wl.output_lens) / batch_size)
+    kv_bytes = sum(kv_per_token * (n_in * n_out + n_out * (n_out - 1) // 2)  # contexts n_in .. n_in + n_out - 1
+                   for n_in, n_out in zip(map(len, wl.prompts), wl.output_lens, strict=True))  # fmt: skip
+    seconds = (steps * weight_bytes + kv_bytes) / bandwidth
+    return {
+        "bandwidth_bytes_per_s": bandwidth,
+        "weight_bytes": weight_bytes,
+        "kv_bytes": kv_bytes,
+        "min_decode_steps": steps,
+        "seconds": seconds,
+        "output_tokens_per_s": sum(wl.output_lens) / seconds,
+    }
+
+
 # ----------------------------------------------------------------------------------------------------- report
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
@@ -350,9 +374,23 @@ def main(argv=None) -> int:
             f"{name:<12} {r['requests']:>8} {r['output_tokens']:>10} {r['seconds']:>8.2f} "
             f"{r['output_tokens_per_s']:>10.1f} {ratio:>12}{flag}"
         )
+    roofline = None
+    if device.type == "cuda":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from gpu_utils import peak_bandwidth
+
+        bw, source = peak_bandwidth(device)
+        roofline = decode_roofline(wl, cfg, dtype, args.batch_size, bw) | {"bandwidth_source": source}
+        rf = roofline["output_tokens_per_s"]
+        print(f"decode roofline ({bw / 1e12:.2f} TB/s, {source}): {rf:,.0f} output tok/s (weights read once per "
+              f"step of {args.batch_size}, each token's context K/V read once)")  # fmt: skip
+        if base:
+            print(f"roseinfer reaches {base / rf:.0%} of the roofline")
     if args.json:
         versions = {"torch": torch.__version__, "transformers": transformers.__version__}
         report = {"device": dev, "model": str(model_arg), "workload": params, "engines": results, "versions": versions}
+        if roofline:
+            report["roofline"] = roofline
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 1 if failed or not all(r.get("tokens_ok") for r in results.values()) else 0
 
