@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Regenerate every measured number and figure of every chapter, each with its own stage's code:
+# each stage tag is checked out into a temporary worktree, its measurement commands run there,
+# their output goes to results/reproduce/NN.txt, and the figures it draws are copied into this
+# checkout's chapters/ (figures are never edited by hand). Then scripts/bench_stages.py draws the
+# README's stage-progression plot. About 15 minutes on 2 CPU cores.
+#   ./scripts/reproduce.sh          # everything
+#   ./scripts/reproduce.sh 04 07    # some stages
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+source scripts/setup.sh
+./scripts/tag_stages.sh >/dev/null
+out="$root/results/reproduce"
+mkdir -p "$out"
+nb="$VENV/bin/python $root/scripts/run_notebook.py"
+declare -A CMDS=(
+  [01]="python scripts/measure_naive_latency.py; python -m roseinfer.generate --device cpu; python -m roseinfer.generate --device cpu --prompt 'Hamlet.' --max-new-tokens 64 --temperature 0.8 --seed 1"
+  [02]="python scripts/measure_kv_cache.py; python scripts/plot_sampling.py; python -m roseinfer.generate --device cpu --max-new-tokens 64 --seed 1; python -m roseinfer.generate --device cpu --max-new-tokens 64 --seed 1 --no-kv-cache"
+  [03]="python scripts/offline_example.py --device cpu --temperature 0 --max-tokens 24; python scripts/offline_example.py --device cpu --max-tokens 24 --stop . --timeline; python scripts/measure_offline.py"
+  [04]="$nb notebooks/block_tables.ipynb; python scripts/kv_blocks_example.py"
+  [05]="python scripts/benchmark.py --workload small"
+  [06]="$nb notebooks/continuous_batching.ipynb; python scripts/online_example.py; python scripts/benchmark.py --workload mixed"
+  [07]="$nb notebooks/kv_memory.ipynb; python scripts/paged_example.py; python scripts/benchmark.py --workload mixed"
+  [08]="python scripts/verify_paged_attention.py"
+)
+for tag in $(git tag --list 'stage-*' | sort); do
+  nn="${tag#stage-}"; nn="${nn%%-*}"
+  if [ "$#" -gt 0 ] && [[ ! " $* " =~ " $nn " ]]; then continue; fi
+  [ -n "${CMDS[$nn]:-}" ] || continue
+  wt="$(mktemp -d "/tmp/roseinfer-reproduce-$nn.XXXX")"
+  git worktree add --quiet --detach "$wt" "$tag"
+  echo "=== $tag -> results/reproduce/$nn.txt"
+  (cd "$wt" && export PATH="$VENV/bin:$PATH" PYTHONPATH="$wt" ROSEINFER_SAVE_FIGURES=1 && bash -c "${CMDS[$nn]}") >"$out/$nn.txt" 2>&1 \
+    || { echo "    FAILED (see $out/$nn.txt)"; git worktree remove --force "$wt"; exit 1; }
+  for png in "$wt"/chapters/"$nn"-*/*.png; do
+    [ -e "$png" ] && cp "$png" "chapters/$(basename "$(dirname "$png")")/"
+  done
+  git worktree remove --force "$wt"
+done
+if [ "$#" -eq 0 ]; then
+  "$VENV/bin/python" scripts/bench_stages.py | tee "$out/stages.txt"
+fi
+echo "done: results/reproduce/*.txt; figures refreshed under chapters/ (git diff shows what changed)"
