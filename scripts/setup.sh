@@ -5,13 +5,18 @@
 #   1. python3.11 -m venv .venv           (ROSEINFER_VENV overrides the location)
 #   2. pip install torch==2.13.0          (first, and only if torch is missing)
 #   3. pip install -r requirements.txt -c scripts/constraints.txt
-#   4. pip install --no-deps -e .
+#   4. pip install --no-deps -e .       (only into this checkout's own .venv)
+#
+# The stamp file .venv/.roseinfer-setup lists the requirement lines that were installed
+# (requirements.txt + constraints, comments dropped). Setup is skipped when every requirement of
+# this checkout is in that list, so a checkout of an earlier stage, whose requirements are a
+# subset of the latest stage's, reuses the same .venv (see scripts/share_venv.sh).
 _root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${ROSEINFER_VENV:-$_root/.venv}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
-_stamp_want="$(cat "$_root/requirements.txt" "$_root/scripts/constraints.txt" "$_root/pyproject.toml" | sha256sum | cut -c1-16)"
-_stamp_have="$(cat "$VENV/.roseinfer-setup" 2>/dev/null || true)"
-if [ ! -x "$VENV/bin/python" ] || [ "$_stamp_want" != "$_stamp_have" ]; then
+_stamp_want="$(sed -e 's/#.*//' -e 's/^[[:space:]]*//' -e 's/[[:space:]]*$//' -e '/^$/d' "$_root/requirements.txt" "$_root/scripts/constraints.txt" | LC_ALL=C sort -u)"
+_stamp_have="$(LC_ALL=C sort -u "$VENV/.roseinfer-setup" 2>/dev/null || true)"
+if [ ! -x "$VENV/bin/python" ] || [ -n "$(LC_ALL=C comm -23 <(echo "$_stamp_want") <(echo "$_stamp_have"))" ]; then
   _py="${PYTHON:-$(command -v python3.11 || command -v python3)}"
   if [ ! -x "$VENV/bin/python" ]; then
     echo "[setup] creating $VENV with $("$_py" --version)" >&2
@@ -23,7 +28,9 @@ if [ ! -x "$VENV/bin/python" ] || [ "$_stamp_want" != "$_stamp_have" ]; then
   fi
   echo "[setup] installing requirements.txt (constraint: torch==2.13.0)" >&2
   "$VENV/bin/python" -m pip install -q -r "$_root/requirements.txt" -c "$_root/scripts/constraints.txt"
-  "$VENV/bin/python" -m pip install -q --no-deps -e "$_root"
+  if [ "$VENV" = "$_root/.venv" ]; then  # `import roseinfer` anywhere means this checkout
+    "$VENV/bin/python" -m pip install -q --no-deps -e "$_root"
+  fi
   echo "$_stamp_want" > "$VENV/.roseinfer-setup"
   echo "[setup] done" >&2
 fi
