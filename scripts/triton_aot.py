@@ -33,7 +33,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -318,18 +317,16 @@ def main() -> int:
     if missing:
         print(f"kernels without an entry in KERNELS: {sorted(missing)}")
         return 1
-    t0 = time.time()
     results = compile_all(shapes, args.ptx)
     by_key = {(r.kernel, r.shape, r.target): r for r in results}
 
-    print(f"Triton {triton.__version__}: {len(results)} compiles for {' and '.join(TARGETS)}, no GPU "
-          f"({time.time() - t0:.0f} s); fp16, block_size {args.block_size}, "
-          f"num_warps {results[0].num_warps}")  # fmt: skip
+    print(f"Triton {triton.__version__}, no GPU: {len(results)} compiles to PTX and cubin for "
+          f"{' and '.join(TARGETS)}; fp16, block_size {args.block_size}, num_warps {results[0].num_warps}")  # fmt: skip
     print("regs = registers per thread, spill = local memory per thread in bytes, smem = shared memory per program;")
     print("each launch: a decode step of 64 sequences at the model's full context (write: their 64 new tokens),")
     print("split-K with S = 4; MB = bytes it must read; µs = that read at the full HBM bandwidth")
     head = f"{'kernel':<30} {'shape':<17} {'regs':>5} {'spill':>5} {'smem':>5}  {'widest load':<17} {'grid':<12}"
-    print(f"\n{'':<49}{'sm_80 / sm_90':^17}")
+    print(f"\n{'':<49}{'sm_80 / sm_90':^17}".rstrip())
     print(f"{head} {'MB':>7} {'µs H100':>8} {'µs A100':>8}")
     for k in KERNELS:
         for s in shapes:
