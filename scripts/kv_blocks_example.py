@@ -28,10 +28,13 @@ def render(snapshot: dict, block_size: int) -> str:
         cells = [f"{b:>3}:{min(block_size, n - i * block_size):>2}/{block_size}" for i, b in enumerate(table)]
         lines.append(f"  req {rid} ({n:>3} tok) | " + " ".join(f"[{c}]" for c in cells))
     s = snapshot["stats"]
-    lines.append(
-        f"  used {s.used_blocks}/{s.num_blocks} blocks, {s.used_slots}/{s.allocated_slots} slots filled "
-        f"(utilisation {s.utilization:.0%}, fragmentation {s.fragmentation:.0%})"
-    )
+    if s.allocated_slots == 0:  # an empty pool: no slot is filled, and none is wasted either
+        lines.append(f"  used 0/{s.num_blocks} blocks: nothing allocated")
+    else:
+        lines.append(
+            f"  used {s.used_blocks}/{s.num_blocks} blocks, {s.used_slots}/{s.allocated_slots} slots filled "
+            f"(utilisation {s.utilization:.0%}, fragmentation {s.fragmentation:.0%})"
+        )
     return "\n".join(lines)
 
 
@@ -57,7 +60,8 @@ def main() -> None:
     for t in sched.trace:
         finished = [r for r in sched.sessions if r in t["ran"] and r not in t["block_tables"]]
         if t["step"] in args.steps or finished:
-            note = f"  (finished, blocks freed: {' '.join(finished)})" if finished else ""
+            who = f"request {finished[0]}; its" if len(finished) == 1 else f"requests {' '.join(finished)}; their"
+            note = f"  (finished: {who} blocks are free again)" if finished else ""
             print(f"\nstep {t['step']}: ran {' '.join(t['ran'])}{note}")
             print(render(t, args.block_size))
     print(f"\nafter run(): {bm.stats().used_blocks} blocks in use, {bm.stats().free_blocks} free")
