@@ -2,8 +2,9 @@
 # Regenerate every measured number and figure of every chapter, each with its own stage's code:
 # each stage tag is checked out into a temporary worktree, its measurement commands run there,
 # their output goes to results/reproduce/NN.txt, and the figures it draws are copied into this
-# checkout's chapters/ (figures are never edited by hand). Then scripts/bench_stages.py draws the
-# README's stage-progression plot. About 15 minutes on 2 CPU cores.
+# checkout's chapters/ (figures are never edited by hand). The notebooks are this checkout's
+# (corrected since their stage, perhaps), run on the stage's code. Then scripts/bench_stages.py
+# draws the README's stage-progression plot. About 15 minutes on 2 CPU cores.
 #   ./scripts/reproduce.sh          # everything
 #   ./scripts/reproduce.sh 04 07    # some stages
 set -euo pipefail
@@ -22,7 +23,7 @@ declare -A CMDS=(
   [05]="python scripts/benchmark.py --workload small"
   [06]="$nb notebooks/continuous_batching.ipynb; python scripts/online_example.py; python scripts/benchmark.py --workload mixed"
   [07]="$nb notebooks/kv_memory.ipynb; python scripts/paged_example.py; python scripts/benchmark.py --workload mixed"
-  [08]="python scripts/verify_paged_attention.py"
+  [08]="python scripts/verify_paged_attention.py; python $root/scripts/triton_aot.py"
 )
 for tag in $(git tag --list 'stage-*' | sort); do
   nn="${tag#stage-}"; nn="${nn%%-*}"
@@ -30,6 +31,9 @@ for tag in $(git tag --list 'stage-*' | sort); do
   [ -n "${CMDS[$nn]:-}" ] || continue
   wt="$(mktemp -d "/tmp/roseinfer-reproduce-$nn.XXXX")"
   git worktree add --quiet --detach "$wt" "$tag"
+  for f in "$wt"/notebooks/*.ipynb; do
+    if [ -e "notebooks/$(basename "$f")" ]; then cp "notebooks/$(basename "$f")" "$f"; fi
+  done
   echo "=== $tag -> results/reproduce/$nn.txt"
   (cd "$wt" && export PATH="$VENV/bin:$PATH" PYTHONPATH="$wt" ROSEINFER_SAVE_FIGURES=1 && bash -c "${CMDS[$nn]}") >"$out/$nn.txt" 2>&1 \
     || { echo "    FAILED (see $out/$nn.txt)"; git worktree remove --force "$wt"; exit 1; }
