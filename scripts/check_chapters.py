@@ -88,16 +88,19 @@ def code_blocks(chapter: Path) -> list[Block]:
     blocks: list[Block] = []
     current: Block | None = None
     fence = ""
+    indent = 0  # a fence indented inside a list item: its lines carry that indentation too
     for number, line in enumerate(chapter.read_text(encoding="utf-8").splitlines(), start=1):
         m = FENCE.match(line)
         if current is None:
             if m:
                 fence, current = m.group(1), Block(chapter, number + 1, m.group(2).lower(), [])
+                indent = len(line) - len(line.lstrip(" "))
         elif m and line.strip() == m.group(1) and m.group(1).startswith(fence):
             blocks.append(current)
             current = None
         else:
-            current.lines.append(line)
+            drop = min(indent, len(line) - len(line.lstrip(" ")))
+            current.lines.append(line[drop:])
     return blocks
 
 

@@ -51,3 +51,12 @@ def test_a_diff_excerpt_reads_minus_lines_at_the_previous_stage(tmp_path):
 def test_a_chapter_without_a_stage_commit_is_checked_against_the_working_tree(tmp_path):
     text = "```python\n# roseinfer/engine.py\n" + (REPO / "roseinfer/engine.py").read_text().splitlines()[0] + "\n```\n"
     assert _check(tmp_path, "99-not-yet-written", text) == []
+
+
+def test_a_block_inside_a_list_item_is_read_without_its_indentation(tmp_path):
+    diff = (
+        "1. A step:\n\n   ```diff\n   # roseinfer/session.py\n"
+        "   -        self.last_delta = self.detokenizer.step(token_id)\n"
+        "   +        self.last_delta = self.detokenizer.step(token_id)\n   ```\n"
+    )
+    assert _check(tmp_path, "04-kv-block-manager", diff) == []
