@@ -61,7 +61,7 @@ class InferenceEngine:
         self.model, self.model_dir = load_model(model, self.device, self.dtype)
         self.config = self.model.config
         self.tokenizer = Tokenizer.from_model_dir(self.model_dir, self.config.vocab_size)
-        self.eos_token_id = self.tokenizer.eos_token_id
+        self.eos_token_id = self.config.eos_token_id  # what transformers' generate stops on (None: never)
         # a pool for one sequence, used by the single-request path (token_stream, stream, generate)
         self.solo_block_manager = BlockSpaceManager(block_size, -(-self.config.n_positions // block_size))
 

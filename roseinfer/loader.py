@@ -59,15 +59,24 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 def load_model(model: str | os.PathLike | None, device: torch.device, dtype: torch.dtype) -> tuple[GPT2, Path]:
     """Return (model in eval mode on `device` in `dtype`, the directory it came from)."""
     model_dir = resolve_model_dir(model)
-    cfg = GPT2Config.from_hf(json.loads((model_dir / "config.json").read_text()))
+    hf = json.loads((model_dir / "config.json").read_text())
+    generation = model_dir / "generation_config.json"
+    if generation.exists():  # transformers' generate takes its EOS id from here when the file exists
+        hf = {**hf, "eos_token_id": json.loads(generation.read_text()).get("eos_token_id")}
+    cfg = GPT2Config.from_hf(hf)
     sd = load_state_dict(model_dir)
     ours = {}
     for name, w in sd.items():
         name = name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name
-        if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":
-            continue  # old causal-mask buffers; the LM head is tied to wte
+        if name.endswith((".attn.bias", ".attn.masked_bias")) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue  # old causal-mask buffers; a tied LM head is wte (as in transformers)
         ours[name] = w.t() if name.endswith(_CONV1D) else w
     net = GPT2(cfg)
+    expected = net.state_dict()
+    wrong = [f"{n} {tuple(w.shape)} (expected {tuple(expected[n].shape)})"
+             for n, w in ours.items() if n in expected and w.shape != expected[n].shape]  # fmt: skip
+    if wrong:
+        raise ValueError(f"checkpoint in {str(model_dir)!r} does not match its config.json: {wrong[:4]}")
     missing, unexpected = net.load_state_dict(ours, strict=False)
     if missing or unexpected:
         raise ValueError(
