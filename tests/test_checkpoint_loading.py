@@ -1,23 +1,36 @@
-"""Real GPT-2 checkpoint directories load and match transformers, or are refused clearly.
+"""Real GPT-2 checkpoint directories load offline and match transformers, or are refused clearly.
 
-Every directory is made here from random weights saved by transformers; every expected
-answer comes from transformers in the same test.
+Every directory is made here: random weights saved by transformers, and a small byte-level
+BPE trained with `tokenizers` and written in Hugging Face's layout (vocab.json, merges.txt,
+tokenizer.json, tokenizer_config.json). The network is blocked while roseinfer loads them;
+every expected answer comes from transformers in the same test.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import hf_greedy, make_random_checkpoint
+from conftest import PROMPTS, hf_greedy, make_random_checkpoint
 
-from roseinfer import DEFAULT_MODEL, LLM, InferenceEngine
+from roseinfer import DEFAULT_MODEL, LLM, InferenceEngine, SamplingParams
 from roseinfer.activations import ACTIVATIONS
 from roseinfer.loader import load_model
+from roseinfer.tokenizer import GPT2_URLS, Tokenizer
 
+EOT = "<|endoftext|>"
+TRICKY = [
+    "Hello, world!", " one leading space", "   three leading spaces", "digits 0123456789, 3.14159 and 2024-01-01",
+    "new\nlines\n\n\nand\r\nCRLF\n", "tabs\tand  double  spaces  ", "naïve café — résumé, Ångström", "你好，世界",
+    "roses 🌹 and masks 🎭", f"a{EOT}b", EOT, f"{EOT}{EOT} twice", "it's they're we'll I'd", " ", "\n", "x",
+    "<|im_start|>user\nhello world<|im_end|>", "hello worldhello world", "<|endoftext", "Ġ Ā ł",
+]  # fmt: skip
+CORPUS = [p * 3 for p in PROMPTS] + [t * 2 for t in TRICKY[:9]] + ["the quick brown fox jumps over the lazy dog " * 4]
+GREEDY = SamplingParams(temperature=0, max_tokens=10)
 SMALL = dict(n_positions=64, n_embd=32, n_layer=2, n_head=2)
 
 
@@ -152,3 +165,186 @@ def test_unsupported_config_field_is_refused_at_load(tmp_path, base_checkpoint, 
     _edit_json(model_dir / "config.json", **changes)
     with pytest.raises(ValueError, match=match):
         LLM(model_dir, device="cpu")
+
+
+# ---- 2. tokenizer files: a small GPT-2 style BPE, trained here --------------------------------
+def train_bpe(flavor: str):
+    """'gpt2': <|endoftext|> is the last vocab.json entry, as in GPT-2's own files;
+    'specials_first': tokenizers' trainer default (<|endoftext|> is id 0, bytes after it);
+    'eot_added': <|endoftext|> only an added token, not in vocab.json;
+    'added': 'gpt2' plus added tokens (two special, one not)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    def fresh(model):
+        tok = HFTokenizer(model)
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+        return tok
+
+    tok = fresh(models.BPE())
+    first = [EOT] if flavor == "specials_first" else []
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=320, special_tokens=first,
+                                                         initial_alphabet=alphabet, show_progress=False))  # fmt: skip
+    if flavor in ("gpt2", "added"):  # rebuild with <|endoftext|> inside the BPE vocabulary, after the merges
+        data = json.loads(tok.to_str())["model"]
+        vocab = {**data["vocab"], EOT: len(data["vocab"])}
+        tok = fresh(models.BPE(vocab, [tuple(m) if isinstance(m, list) else tuple(m.split()) for m in data["merges"]]))
+    tok.add_special_tokens([EOT])
+    if flavor == "added":
+        tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+        tok.add_tokens(["hello world"])
+    return tok
+
+
+def write_tokenizer(tok, out: Path, files: list[str]) -> None:
+    from transformers import GPT2TokenizerFast
+
+    full = out.parent / (out.name + "-all")
+    GPT2TokenizerFast(tokenizer_object=tok).save_pretrained(full)  # tokenizer.json, tokenizer_config.json
+    tok.model.save(str(full))  # vocab.json, merges.txt (transformers 5 no longer writes them)
+    for name in files:
+        shutil.copy(full / name, out / name)
+
+
+def make_checkpoint_dir(path: Path, flavor: str, files: list[str], **overrides) -> Path:
+    """A random GPT-2 sized for the trained tokenizer, with the chosen tokenizer files only."""
+    from transformers import GPT2TokenizerFast
+
+    tok = train_bpe(flavor)
+    path.mkdir(parents=True)
+    write_tokenizer(tok, path, files)
+    hf_tok = GPT2TokenizerFast.from_pretrained(path)
+    eot = hf_tok.convert_tokens_to_ids(EOT)
+    kw = dict(SMALL, vocab_size=len(hf_tok), eos_token_id=eot, bos_token_id=eot, initializer_range=0.5)
+    return make_random_checkpoint(path, seed=1, tokenizer=False, **{**kw, **overrides})
+
+
+@pytest.fixture
+def offline(monkeypatch, tmp_path):
+    """No network: every socket connect fails (and is recorded), Hub offline, an empty tiktoken cache."""
+    attempts = []
+
+    def refuse(sock, address, *args):
+        attempts.append(address)
+        raise OSError(f"network blocked by the test (connect to {address})")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty-tiktoken-cache"))
+    return attempts
+
+
+# every layout of the files loads with the network blocked, and matches transformers
+VM, TJ = ["vocab.json", "merges.txt"], ["tokenizer.json", "tokenizer_config.json"]
+LAYOUTS = [
+    ("gpt2", VM, "vocab.json + merges.txt"),
+    ("gpt2", TJ, "tokenizer.json"),
+    ("gpt2", VM + TJ, "vocab.json + merges.txt"),
+    ("specials_first", VM, "vocab.json + merges.txt"),
+    ("specials_first", TJ, "tokenizer.json"),
+    ("eot_added", VM, "vocab.json + merges.txt"),
+    ("added", TJ, "tokenizer.json"),
+    ("added", VM + TJ, "vocab.json + merges.txt"),
+]
+
+
+@pytest.mark.parametrize(("flavor", "files", "source"), LAYOUTS, ids=[f"{f}:{'+'.join(x)}" for f, x, _ in LAYOUTS])
+def test_checkpoint_dir_loads_offline_and_matches_transformers(tmp_path, offline, flavor, files, source):
+    from transformers import GPT2TokenizerFast
+
+    model_dir = make_checkpoint_dir(tmp_path / "m", flavor, files)
+    hf_model, hf_tok = _hf(model_dir), GPT2TokenizerFast.from_pretrained(model_dir)
+    engine = InferenceEngine(model_dir, device="cpu", dtype="float32")
+    tok = engine.tokenizer
+    assert tok.source == source
+    for text in TRICKY:
+        assert tok.encode(text) == hf_tok(text)["input_ids"], text
+        assert tok.decode(tok.encode(text)) == text
+    prompts = ["Romeo.\n", f"a{EOT}b hello world", " 42 leading"]
+    want = [hf_greedy(hf_model, hf_tok(p)["input_ids"], GREEDY.max_tokens) for p in prompts]
+    assert len(set(want[0])) > 2, "random weights should not repeat one token"
+    assert [engine.generate_ids(engine.encode_prompt(p), GREEDY.max_tokens) for p in prompts] == want
+    llm = LLM(model_dir, device="cpu", dtype="float32", num_blocks=64, block_size=4)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
+    eng = llm.llm_engine
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, GREEDY)
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+    assert [done[str(i)] for i in range(len(prompts))] == want
+    assert offline == [], "loading must not touch the network"
+
+
+def test_no_tokenizer_files_is_a_clear_error_without_network(tmp_path, offline):
+    for vocab_size in (4096, 50257):  # 50257: GPT-2's vocabulary also tries tiktoken's cache
+        model_dir = make_random_checkpoint(tmp_path / str(vocab_size), tokenizer=False, vocab_size=vocab_size, **SMALL)
+        with pytest.raises(FileNotFoundError, match="tokenizer.tiktoken, vocab.json \\+ merges.txt, tokenizer.json"):
+            LLM(model_dir, device="cpu")
+    assert offline == []
+
+
+def test_gpt2_vocabulary_uses_tiktokens_cached_encoding(tmp_path, offline, monkeypatch):
+    """Step 4: a 50257-token GPT-2 with no tokenizer files uses tiktoken's 'gpt2' encoding if it is cached."""
+    import hashlib
+    import os
+
+    import tiktoken
+
+    cache = Path(os.environ["TIKTOKEN_CACHE_DIR"])
+    cache.mkdir()
+    for url in GPT2_URLS:  # the files tiktoken's "gpt2" encoding is built from, as tiktoken caches them
+        (cache / hashlib.sha1(url.encode()).hexdigest()).write_text("cached")
+    stand_in = Tokenizer.from_model_dir(Path(DEFAULT_MODEL)).encoding  # we cannot ship GPT-2's real files
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: stand_in if name == "gpt2" else None)
+    tok = Tokenizer.from_model_dir(make_random_checkpoint(tmp_path / "m", tokenizer=False, **SMALL), vocab_size=50257)
+    assert tok.source == "tiktoken's cached 'gpt2' encoding" and tok.encoding is stand_in
+    assert offline == []
+
+
+def test_tiktoken_file_comes_first(tmp_path):
+    model_dir = make_checkpoint_dir(tmp_path / "m", "gpt2", VM + TJ, vocab_size=4096)
+    shutil.copy(Path(DEFAULT_MODEL) / "tokenizer.tiktoken", model_dir)
+    assert Tokenizer.from_model_dir(model_dir, 4096).source == "tokenizer.tiktoken"
+
+
+BAD_TOKENIZERS = [
+    ("tokenizer.json", {"normalizer": {"type": "NFC"}}, "normalizer"),
+    ("tokenizer.json", {"pre_tokenizer.add_prefix_space": True}, "add_prefix_space"),
+    ("tokenizer.json", {"model.type": "WordPiece"}, "model.type"),
+    (
+        "tokenizer.json",
+        {
+            "post_processor": {
+                "type": "TemplateProcessing",
+                "single": [{"SpecialToken": {"id": EOT}}, {"Sequence": {"id": "A"}}],
+                "pair": [],
+                "special_tokens": {},
+            }
+        },
+        "post_processor",
+    ),  # fmt: skip
+    ("tokenizer_config.json", {"add_bos_token": True}, "add_bos_token"),
+    ("tokenizer_config.json", {"add_prefix_space": True}, "add_prefix_space"),
+    ("vocab.json", {"Ġthe": 5}, "different vocabularies"),
+]
+
+
+@pytest.mark.parametrize(("name", "changes", "match"), BAD_TOKENIZERS, ids=[m for *_, m in BAD_TOKENIZERS])
+def test_tokenizer_that_would_give_other_ids_is_refused(tmp_path, name, changes, match):
+    model_dir = make_checkpoint_dir(tmp_path / "m", "gpt2", VM + TJ)
+    _edit_json(model_dir / name, **changes)
+    with pytest.raises(ValueError, match=match):
+        InferenceEngine(model_dir, device="cpu")
+
+
+def test_vocab_ids_out_of_merge_order_are_refused(tmp_path):
+    model_dir = make_checkpoint_dir(tmp_path / "m", "specials_first", VM)
+    vocab = json.loads((model_dir / "vocab.json").read_text())
+    a, b = sorted(vocab, key=vocab.get)[-2:]  # the last two merges swap ids
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (model_dir / "vocab.json").write_text(json.dumps(vocab))
+    with pytest.raises(ValueError, match="merge order"):
+        InferenceEngine(model_dir, device="cpu")
