@@ -14,7 +14,10 @@ DEFAULT_MODEL = str(Path(__file__).parent / "models" / "tiny-shakespeare")
 
 # Hugging Face's GPT-2 stores these four as Conv1D ([in, out]); nn.Linear wants [out, in].
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-_HUB_FILES = ["config.json", "model.safetensors", "pytorch_model.bin", "tokenizer.tiktoken"]
+# what we fetch from the Hub: the config, the tokenizer in every form we read, and the weights
+# (model.safetensors; pytorch_model.bin only for repos without it, so we never download both)
+_HUB_FILES = ["config.json", "generation_config.json", "tokenizer.tiktoken", "vocab.json", "merges.txt",
+              "tokenizer.json", "tokenizer_config.json"]  # fmt: skip
 
 
 def resolve_model_dir(model: str | os.PathLike | None) -> Path:
@@ -36,7 +39,10 @@ def _download_from_hub(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))
+        path = Path(snapshot_download(repo_id, allow_patterns=[*_HUB_FILES, "model.safetensors"]))
+        if not (path / "model.safetensors").exists():
+            path = Path(snapshot_download(repo_id, allow_patterns=["pytorch_model.bin"]))
+        return path
     except Exception as e:  # offline, unknown repo, gated repo ...
         raise OSError(
             f"could not load model {repo_id!r}: it is not a local directory and downloading it "

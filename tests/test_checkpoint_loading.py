@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PROMPTS, hf_greedy, make_random_checkpoint
+from conftest import PROMPTS, hf_greedy, make_random_checkpoint, run_python
 
 from roseinfer import DEFAULT_MODEL, LLM, InferenceEngine, SamplingParams
 from roseinfer.activations import ACTIVATIONS
@@ -348,3 +348,58 @@ def test_vocab_ids_out_of_merge_order_are_refused(tmp_path):
     (model_dir / "vocab.json").write_text(json.dumps(vocab))
     with pytest.raises(ValueError, match="merge order"):
         InferenceEngine(model_dir, device="cpu")
+
+
+# ---- 3. Hub ids, from a local stand-in for the Hub cache ----------------------------------------
+HUB_SCRIPT = """
+import json, socket, sys
+def refuse(*a):
+    raise OSError("network blocked by the test")
+socket.socket.connect = refuse
+from roseinfer import LLM, SamplingParams
+out = {}
+for repo in sys.argv[1:]:
+    llm = LLM(repo, device="cpu", dtype="float32", num_blocks=64)
+    res = llm.generate(["Romeo.\\n", "hello world"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    out[repo] = {"dir": str(llm.engine.model_dir), "ids": [r.token_ids for r in res], "source": llm.tokenizer.source}
+print(json.dumps(out))
+"""
+
+
+def test_hub_ids_resolve_from_the_hub_cache_offline(tmp_path):
+    """`LLM("gpt2")` etc. with HF_HUB_OFFLINE=1 and a cache laid out as huggingface_hub writes it."""
+    from transformers import GPT2TokenizerFast
+
+    hub, sha = tmp_path / "hub", "0123456789abcdef0123456789abcdef01234567"
+    weights = {"gpt2": "model.safetensors", "distilgpt2": "pytorch_model.bin", "gpt2-medium": "model.safetensors"}
+    for repo, fmt in weights.items():
+        snap = hub / f"models--{repo}" / "snapshots" / sha
+        make_checkpoint_dir(snap, "gpt2", VM + TJ, safetensors=fmt == "model.safetensors")
+        _edit_json(snap / "config.json", n_ctx=64, task_specific_params={"text-generation": {"do_sample": True}})
+        (hub / f"models--{repo}" / "refs").mkdir()
+        (hub / f"models--{repo}" / "refs" / "main").write_text(sha)
+    env = {"HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_CACHE": str(hub), "TIKTOKEN_CACHE_DIR": str(tmp_path / "tk")}
+    r = run_python("-c", HUB_SCRIPT, *weights, env=env)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    for repo in weights:
+        snap = hub / f"models--{repo}" / "snapshots" / sha
+        assert Path(got[repo]["dir"]) == snap and got[repo]["source"] == "vocab.json + merges.txt"
+        hf_model, hf_tok = _hf(snap), GPT2TokenizerFast.from_pretrained(snap)
+        assert got[repo]["ids"] == [hf_greedy(hf_model, hf_tok(p)["input_ids"], 8) for p in ("Romeo.\n", "hello world")]
+
+
+def test_hub_download_asks_for_tokenizer_files_and_one_weights_file(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    calls = []
+    snap = make_random_checkpoint(tmp_path / "snap", safetensors=False, **SMALL)  # a repo with pytorch_model.bin only
+
+    def fake_snapshot_download(repo_id, allow_patterns):
+        calls.append(list(allow_patterns))
+        return str(snap)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    load_model("gpt2", torch.device("cpu"), torch.float32)
+    assert {"config.json", "vocab.json", "merges.txt", "tokenizer.json", "model.safetensors"} <= set(calls[0])
+    assert "pytorch_model.bin" not in calls[0] and calls[1:] == [["pytorch_model.bin"]]
