@@ -350,6 +350,19 @@ def test_vocab_ids_out_of_merge_order_are_refused(tmp_path):
         InferenceEngine(model_dir, device="cpu")
 
 
+def test_bundled_model_loads_in_transformers_tokenizer_with_same_ids(engine, tmp_path):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    copy = tmp_path / "no-tiktoken"  # the same directory read through vocab.json + merges.txt
+    shutil.copytree(DEFAULT_MODEL, copy, ignore=shutil.ignore_patterns("tokenizer.tiktoken", "*.safetensors"))
+    from_files = Tokenizer.from_model_dir(copy, engine.config.vocab_size)
+    assert engine.tokenizer.source == "tokenizer.tiktoken" and from_files.source == "vocab.json + merges.txt"
+    for text in TRICKY + PROMPTS:
+        assert engine.tokenizer.encode(text) == from_files.encode(text) == hf(text)["input_ids"], text
+    assert hf.eos_token_id == engine.eos_token_id
+
+
 # ---- 3. Hub ids, from a local stand-in for the Hub cache ----------------------------------------
 HUB_SCRIPT = """
 import json, socket, sys
