@@ -24,6 +24,10 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     """None -> the bundled model; an existing directory -> itself; else a Hub id to download."""
     if model is None:
         return Path(DEFAULT_MODEL)
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a directory, a Hub id or None, got {model!r} ({type(model).__name__})")
+    if str(model).strip() == "":
+        raise ValueError("model is an empty string: give a directory, a Hub id, or None for the bundled model")
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -92,11 +96,22 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
 
 
 def pick_device(device: str | torch.device = "auto") -> torch.device:
-    if str(device) == "auto":
+    """'auto' (CUDA if torch sees a GPU, else CPU), 'cpu', 'cuda', 'cuda:N' or a torch.device."""
+    allowed = "'auto', 'cpu', 'cuda', 'cuda:N' or a torch.device"
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be {allowed}, got {device!r} ({type(device).__name__})")
+    if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device must be {allowed}, got {device!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be {allowed} (roseinfer runs on CPU and CUDA), got {str(device)!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device={str(device)!r}: torch sees only {torch.cuda.device_count()} CUDA device(s)")
     return device
 
 
@@ -105,7 +120,11 @@ def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.d
     if dtype is None:
         return torch.float16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating point type (float32, float16, bfloat16), got {dtype}")
         return dtype
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype must be a str, a torch.dtype or None, got {dtype!r} ({type(dtype).__name__})")
     names = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
              "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
              "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}  # fmt: skip
