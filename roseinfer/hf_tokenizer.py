@@ -53,11 +53,13 @@ def load_gpt2_bpe(model_dir: Path) -> tuple[dict[bytes, int], dict[str, int], st
         return None
     specials = special_tokens(vocab, tj["added_tokens"] if tj else [], config)
     if source.startswith("vocab.json"):
-        try:  # GPT-2's own layout: tiktoken converts it (hashes: tiktoken caches files by path)
+        # GPT-2's own layout: tiktoken converts it. It keeps a copy of each file in its cache, keyed
+        # by path; passing the files' hashes makes it re-read a file that has changed since.
+        try:
             ranks = data_gym_to_mergeable_bpe_ranks(
                 str(merges_path), str(vocab_path), _sha256(merges_path), _sha256(vocab_path)
             )
-        except AssertionError:  # ids are not in GPT-2's order
+        except (AssertionError, KeyError):  # ids not in GPT-2's order (or not GPT-2's alphabet: checked below)
             ranks = ranks_from_vocab(vocab, merges, set(specials))
     else:
         ranks = ranks_from_vocab(vocab, merges, set(specials))
@@ -70,7 +72,14 @@ def read_merges(text: str) -> Merges:
     lines = [ln for ln in text.split("\n") if ln]
     if lines and lines[0].startswith("#version"):
         lines = lines[1:]
-    return [tuple(ln.split(" ")) for ln in lines]
+    return _pairs([ln.split(" ") for ln in lines])
+
+
+def _pairs(merges: list) -> Merges:
+    bad = [m for m in merges if len(m) != 2 or not all(m)]
+    if bad:
+        raise ValueError(f"a merge must be two tokens 'a b', got {bad[0]!r}")
+    return [tuple(m) for m in merges]
 
 
 def ranks_from_vocab(vocab: dict[str, int], merges: Merges, specials: set[str]) -> dict[bytes, int]:
@@ -169,7 +178,7 @@ def _adds_nothing(post: dict) -> bool:
 
 
 def _merges(tj: dict) -> Merges:
-    return [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in tj["model"].get("merges", [])]
+    return _pairs([m.split(" ") if isinstance(m, str) else m for m in tj["model"].get("merges", [])])
 
 
 def _check_specials(ranks: dict[bytes, int], specials: dict[str, int], model_dir: Path) -> None:

@@ -30,7 +30,7 @@ TRICKY = [
     "<|im_start|>user\nhello world<|im_end|>", "hello worldhello world", "<|endoftext", "Ġ Ā ł",
 ]  # fmt: skip
 CORPUS = [p * 3 for p in PROMPTS] + [t * 2 for t in TRICKY[:9]] + ["the quick brown fox jumps over the lazy dog " * 4]
-GREEDY = SamplingParams(temperature=0, max_tokens=10)
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
 SMALL = dict(n_positions=64, n_embd=32, n_layer=2, n_head=2)
 
 
@@ -52,6 +52,12 @@ def _edit_json(path: Path, **changes) -> None:
 
 
 # ---- 1. config.json fields that change the math ------------------------------------------------
+@pytest.fixture(scope="module")
+def base_checkpoint(tmp_path_factory):
+    """Random weights, large enough (initializer_range 0.5) that greedy text is not one token repeated."""
+    return make_random_checkpoint(tmp_path_factory.mktemp("base"), seed=2, initializer_range=0.5, **SMALL)
+
+
 IMPLEMENTED = [
     {"n_inner": 48},
     {"scale_attn_by_inverse_layer_idx": True},
@@ -63,8 +69,13 @@ IMPLEMENTED = [
 
 
 @pytest.mark.parametrize("overrides", IMPLEMENTED, ids=["=".join(map(str, *o.items())) for o in IMPLEMENTED])
-def test_implemented_config_field_matches_transformers(tmp_path, overrides):
-    model_dir = make_random_checkpoint(tmp_path / "m", seed=2, initializer_range=0.5, **SMALL, **overrides)
+def test_implemented_config_field_matches_transformers(tmp_path, base_checkpoint, overrides):
+    model_dir = tmp_path / "m"
+    if "n_inner" in overrides:  # other weight shapes: a checkpoint of its own
+        make_random_checkpoint(model_dir, seed=2, initializer_range=0.5, **SMALL, **overrides)
+    else:  # the same weights under another config.json
+        shutil.copytree(base_checkpoint, model_dir)
+        _edit_json(model_dir / "config.json", **overrides)
     eager = {"attn_implementation": "eager"} if "reorder_and_upcast_attn" in overrides else {}  # only eager honours it
     hf_model = _hf(model_dir, **eager)
     # an activation is the same code in prefill and decode: logits are enough (and keep the test fast)
@@ -150,11 +161,6 @@ REFUSED = [
     ({"tie_word_embeddings": False}, "lm_head.weight"),  # untied, but the checkpoint has no head of its own
     ({"n_layer": 3}, "missing"),
 ]
-
-
-@pytest.fixture(scope="module")
-def base_checkpoint(tmp_path_factory):
-    return make_random_checkpoint(tmp_path_factory.mktemp("base"), **SMALL)
 
 
 @pytest.mark.parametrize(("changes", "match"), REFUSED, ids=["=".join(map(str, *c.items()))[:40] for c, _ in REFUSED])
@@ -262,7 +268,7 @@ def test_checkpoint_dir_loads_offline_and_matches_transformers(tmp_path, offline
     for text in TRICKY:
         assert tok.encode(text) == hf_tok(text)["input_ids"], text
         assert tok.decode(tok.encode(text)) == text
-    prompts = ["Romeo.\n", f"a{EOT}b hello world", " 42 leading"]
+    prompts = [f"Romeo.\na{EOT}b hello world", " 42 leading"]
     want = [hf_greedy(hf_model, hf_tok(p)["input_ids"], GREEDY.max_tokens) for p in prompts]
     assert len(set(want[0])) > 2, "random weights should not repeat one token"
     assert [engine.generate_ids(engine.encode_prompt(p), GREEDY.max_tokens) for p in prompts] == want
@@ -347,6 +353,14 @@ def test_vocab_ids_out_of_merge_order_are_refused(tmp_path):
     vocab[a], vocab[b] = vocab[b], vocab[a]
     (model_dir / "vocab.json").write_text(json.dumps(vocab))
     with pytest.raises(ValueError, match="merge order"):
+        InferenceEngine(model_dir, device="cpu")
+
+
+def test_malformed_merges_txt_is_refused(tmp_path):
+    model_dir = make_checkpoint_dir(tmp_path / "m", "gpt2", VM)
+    with (model_dir / "merges.txt").open("a", encoding="utf-8") as f:
+        f.write("Ġ t h\n")
+    with pytest.raises(ValueError, match="two tokens"):
         InferenceEngine(model_dir, device="cpu")
 
 
