@@ -34,6 +34,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8)
 SMALL = dict(n_positions=64, n_embd=32, n_layer=2, n_head=2)
 
 
+@pytest.fixture(autouse=True)
+def private_tiktoken_cache(monkeypatch, tmp_path):
+    """tiktoken keeps a copy of every vocab.json / merges.txt it reads: keep them out of /tmp."""
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken-cache"))
+
+
 def _hf(model_dir: Path, **kw):
     from transformers import GPT2LMHeadModel
 
