@@ -27,6 +27,7 @@ import torch
 
 from roseinfer.attention import TORCH_BACKEND, AttentionBackend, AttentionMetadata, get_backend
 from roseinfer.block_manager import BlockSpaceManager
+from roseinfer.checks import check_engine_args, check_kv_pool
 from roseinfer.detokenizer import Detokenizer
 from roseinfer.kv_cache import KVCache
 from roseinfer.loader import load_model, pick_device, pick_dtype
@@ -50,18 +51,20 @@ class InferenceEngine:
         gpu_memory_utilization: float = 0.9,
         attention_backend: str = "auto",
     ):
+        check_engine_args(use_kv_cache, block_size, num_blocks, kv_cache_memory, gpu_memory_utilization,
+                          attention_backend)  # fmt: skip
         self.use_kv_cache = use_kv_cache
         self.block_size, self.num_blocks, self.kv_cache_memory = block_size, num_blocks, kv_cache_memory
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         self.gpu_memory_utilization = gpu_memory_utilization
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
         self.attn_backend = get_backend(attention_backend, self.device)  # 'auto': triton on CUDA, torch on CPU
         self.model, self.model_dir = load_model(model, self.device, self.dtype)
         self.config = self.model.config
+        check_kv_pool(block_size, num_blocks, kv_cache_memory, self.config.n_positions, self.kv_bytes_per_token,
+                      self.device)  # fmt: skip
         self.tokenizer = Tokenizer.from_model_dir(self.model_dir, self.config.vocab_size)
-        self.eos_token_id = self.tokenizer.eos_token_id
+        self.eos_token_id = self.config.eos_token_id  # what transformers' generate stops on (None: never)
         # a pool for one sequence, used by the single-request path (token_stream, stream, generate)
         self.solo_block_manager = BlockSpaceManager(block_size, -(-self.config.n_positions // block_size))
 

@@ -58,8 +58,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
-        A prompt is a string or a list of token ids. `sampling_params` is one SamplingParams
-        for all prompts or a list with one per prompt. Invalid input raises before anything runs.
+        A prompt is a string or a list of token ids (a list of prompts may mix both; an empty list
+        gives an empty list back). `sampling_params` is one SamplingParams for all prompts or a list
+        with one per prompt. Invalid input raises before anything runs.
         Runs on LLMEngine: continuous batching with at most `max_num_seqs` requests at a time.
         """
         prompts = _as_prompt_list(prompts)
@@ -97,9 +98,7 @@ def _as_prompt_list(prompts) -> list[Prompt]:
         raise TypeError(
             f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}"
         )
-    if not prompts:
-        raise ValueError("prompts is empty: give at least one prompt")
-    return list(prompts)
+    return list(prompts)  # [] -> no requests, [] back (as vLLM and HF pipelines do)
 
 
 def _as_params_list(sampling_params, n: int) -> list[SamplingParams]:

@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from roseinfer.checks import check_int
 from roseinfer.engine import InferenceEngine
 from roseinfer.outputs import RequestOutput
 from roseinfer.sampling import SamplingParams
@@ -39,6 +40,7 @@ class LLMEngine:
         gpu_memory_utilization: float = 0.9,
         attention_backend: str = "auto",
     ):
+        check_int("max_num_seqs", max_num_seqs)  # before loading anything
         self.engine = InferenceEngine(
             model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,

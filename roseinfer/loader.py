@@ -14,13 +14,20 @@ DEFAULT_MODEL = str(Path(__file__).parent / "models" / "tiny-shakespeare")
 
 # Hugging Face's GPT-2 stores these four as Conv1D ([in, out]); nn.Linear wants [out, in].
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-_HUB_FILES = ["config.json", "model.safetensors", "pytorch_model.bin", "tokenizer.tiktoken"]
+# what we fetch from the Hub: the config, the tokenizer in every form we read, and the weights
+# (model.safetensors; pytorch_model.bin only for repos without it, so we never download both)
+_HUB_FILES = ["config.json", "generation_config.json", "tokenizer.tiktoken", "vocab.json", "merges.txt",
+              "tokenizer.json", "tokenizer_config.json"]  # fmt: skip
 
 
 def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     """None -> the bundled model; an existing directory -> itself; else a Hub id to download."""
     if model is None:
         return Path(DEFAULT_MODEL)
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a directory, a Hub id or None, got {model!r} ({type(model).__name__})")
+    if str(model).strip() == "":
+        raise ValueError("model is an empty string: give a directory, a Hub id, or None for the bundled model")
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -36,7 +43,10 @@ def _download_from_hub(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))
+        path = Path(snapshot_download(repo_id, allow_patterns=[*_HUB_FILES, "model.safetensors"]))
+        if not (path / "model.safetensors").exists():
+            path = Path(snapshot_download(repo_id, allow_patterns=["pytorch_model.bin"]))
+        return path
     except Exception as e:  # offline, unknown repo, gated repo ...
         raise OSError(
             f"could not load model {repo_id!r}: it is not a local directory and downloading it "
@@ -59,15 +69,24 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 def load_model(model: str | os.PathLike | None, device: torch.device, dtype: torch.dtype) -> tuple[GPT2, Path]:
     """Return (model in eval mode on `device` in `dtype`, the directory it came from)."""
     model_dir = resolve_model_dir(model)
-    cfg = GPT2Config.from_hf(json.loads((model_dir / "config.json").read_text()))
+    hf = json.loads((model_dir / "config.json").read_text())
+    generation = model_dir / "generation_config.json"
+    if generation.exists():  # transformers' generate takes its EOS id from here when the file exists
+        hf = {**hf, "eos_token_id": json.loads(generation.read_text()).get("eos_token_id")}
+    cfg = GPT2Config.from_hf(hf)
     sd = load_state_dict(model_dir)
     ours = {}
     for name, w in sd.items():
         name = name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name
-        if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":
-            continue  # old causal-mask buffers; the LM head is tied to wte
+        if name.endswith((".attn.bias", ".attn.masked_bias")) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue  # old causal-mask buffers; a tied LM head is wte (as in transformers)
         ours[name] = w.t() if name.endswith(_CONV1D) else w
     net = GPT2(cfg)
+    expected = net.state_dict()
+    wrong = [f"{n} {tuple(w.shape)} (expected {tuple(expected[n].shape)})"
+             for n, w in ours.items() if n in expected and w.shape != expected[n].shape]  # fmt: skip
+    if wrong:
+        raise ValueError(f"checkpoint in {str(model_dir)!r} does not match its config.json: {wrong[:4]}")
     missing, unexpected = net.load_state_dict(ours, strict=False)
     if missing or unexpected:
         raise ValueError(
@@ -77,11 +96,22 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
 
 
 def pick_device(device: str | torch.device = "auto") -> torch.device:
-    if str(device) == "auto":
+    """'auto' (CUDA if torch sees a GPU, else CPU), 'cpu', 'cuda', 'cuda:N' or a torch.device."""
+    allowed = "'auto', 'cpu', 'cuda', 'cuda:N' or a torch.device"
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be {allowed}, got {device!r} ({type(device).__name__})")
+    if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device must be {allowed}, got {device!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be {allowed} (roseinfer runs on CPU and CUDA), got {str(device)!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device={str(device)!r}: torch sees only {torch.cuda.device_count()} CUDA device(s)")
     return device
 
 
@@ -90,7 +120,11 @@ def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.d
     if dtype is None:
         return torch.float16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating point type (float32, float16, bfloat16), got {dtype}")
         return dtype
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype must be a str, a torch.dtype or None, got {dtype!r} ({type(dtype).__name__})")
     names = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
              "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
              "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}  # fmt: skip

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from roseinfer.activations import get_activation
 from roseinfer.attention import AttentionMetadata
 
 KV = tuple[torch.Tensor, torch.Tensor]  # one layer's (K pool, V pool), each [num_blocks, block_size, H, D]
@@ -32,7 +33,12 @@ class GPT2Config:
     n_layer: int = 12
     n_head: int = 12
     layer_norm_epsilon: float = 1e-5
-    eos_token_id: int = 50256
+    eos_token_id: int | None = 50256  # None: never stop at EOS
+    n_inner: int | None = None  # the MLP's width; None = 4 * n_embd
+    activation_function: str = "gelu_new"  # a name from roseinfer/activations.py
+    scale_attn_weights: bool = True  # scale q·kᵀ by 1/√head_dim
+    scale_attn_by_inverse_layer_idx: bool = False  # ... and by 1/(layer index + 1)
+    tie_word_embeddings: bool = True  # lm_head = wteᵀ; False: a separate lm_head.weight
 
     @property
     def head_dim(self) -> int:
@@ -40,28 +46,21 @@ class GPT2Config:
 
     @classmethod
     def from_hf(cls, hf: dict) -> GPT2Config:
-        """Build from a Hugging Face `config.json` dict (only GPT-2 is supported)."""
-        if hf.get("model_type", "gpt2") != "gpt2":
-            raise ValueError(f"roseinfer runs GPT-2 models, got model_type={hf.get('model_type')!r}")
-        act = hf.get("activation_function", "gelu_new")
-        if act not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(f"unsupported activation_function {act!r} (GPT-2 uses gelu_new)")
-        eos = hf.get("eos_token_id")
-        return cls(
-            vocab_size=hf["vocab_size"],
-            n_positions=hf["n_positions"],
-            n_embd=hf["n_embd"],
-            n_layer=hf["n_layer"],
-            n_head=hf["n_head"],
-            layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
-            eos_token_id=hf["vocab_size"] - 1 if eos is None else eos,
-        )
+        """Build from a Hugging Face `config.json` dict; roseinfer/hf_config.py checks every field
+        that changes the math and refuses what we do not implement."""
+        from roseinfer.hf_config import config_kwargs_from_hf
+
+        return cls(**config_kwargs_from_hf(hf))
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPT2Config):
+    def __init__(self, cfg: GPT2Config, layer_idx: int = 0):
         super().__init__()
         self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
+        # softmax(q·kᵀ · scale) v: scale is 1/√D in GPT-2; two config switches change it (as in transformers)
+        self.scale = self.head_dim**-0.5 if cfg.scale_attn_weights else 1.0
+        if cfg.scale_attn_by_inverse_layer_idx:
+            self.scale /= float(layer_idx + 1)
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # q, k, v in one matmul
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
@@ -82,31 +81,33 @@ class CausalSelfAttention(nn.Module):
                                   v.reshape(B * T, self.n_head, self.head_dim),
                                   kv_cache[0], kv_cache[1], meta.slot_mapping)  # fmt: skip
         if kv_cache is None or meta.is_prefill:
-            # softmax(q kᵀ / √D) v over [B, H, T, D], where token t may only look at tokens ≤ t
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            # softmax(q kᵀ · scale) v over [B, H, T, D], where token t may only look at tokens ≤ t
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=True, scale=self.scale)  # fmt: skip
             y = y.transpose(1, 2)  # [B, T, H, D]
         else:
             y = meta.backend.paged_attention(q[:, 0], kv_cache[0], kv_cache[1], meta.block_tables,
-                                             meta.context_lens, self.head_dim**-0.5)[:, None]  # fmt: skip
+                                             meta.context_lens, self.scale)[:, None]  # fmt: skip
         return self.c_proj(y.reshape(B, T, C))  # merge heads back: [B, T, C]
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: GPT2Config):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        inner = cfg.n_inner or 4 * cfg.n_embd
+        self.c_fc = nn.Linear(cfg.n_embd, inner)
+        self.c_proj = nn.Linear(inner, cfg.n_embd)
+        self.act = get_activation(cfg.activation_function)  # gelu_new: GELU with the tanh approximation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # gelu_new is GELU with the tanh approximation
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        return self.c_proj(self.act(self.c_fc(x)))  # [B, T, C] -> [B, T, inner] -> [B, T, C]
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPT2Config):
+    def __init__(self, cfg: GPT2Config, layer_idx: int = 0):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg, layer_idx)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.mlp = MLP(cfg)
 
@@ -123,10 +124,12 @@ class GPT2(nn.Module):
             dict(
                 wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),  # token embeddings
                 wpe=nn.Embedding(cfg.n_positions, cfg.n_embd),  # learned position embeddings
-                h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
+                h=nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer)),
                 ln_f=nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon),
             )
         )
+        # the LM head: wteᵀ when tied (GPT-2), else its own [V, C] weight (tie_word_embeddings=false)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
 
     def forward(
         self,
@@ -147,4 +150,5 @@ class GPT2(nn.Module):
         for i, block in enumerate(tr.h):
             x = block(x, None if kv_caches is None else kv_caches[i], meta)
         x = tr.ln_f(x)
-        return F.linear(x, tr.wte.weight)  # tied LM head: [B, T, C] @ [C, V] -> [B, T, V]
+        head = tr.wte.weight if self.lm_head is None else self.lm_head.weight  # [V, C]
+        return F.linear(x, head)  # LM head: [B, T, C] @ [C, V] -> [B, T, V]

@@ -5,17 +5,22 @@ How one row's next token is chosen:
     logits ─► ÷ temperature ─► softmax ─► sort ↓ ─► keep top_k ─► keep top_p mass ─► draw u ~ U(0,1)
                                                                                     pick where CDF ≥ u·mass
 
-temperature 0 means greedy (argmax). Each request owns a `torch.Generator`, so the same
+temperature 0 means greedy (argmax), and so does any temperature below 1e-5 (as in vLLM: dividing
+the logits by a tinier number overflows float32). Each request owns a `torch.Generator`, so the same
 seed gives the same text every run, whatever else is in the batch: the only per-row work
 is drawing that row's one uniform number; the math runs on the whole batch at once.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
 @dataclass
@@ -38,14 +43,16 @@ class SamplingParams:
         _check(isinstance(stop, (list, tuple)), f"stop must be a string or a list of strings, got {stop!r}")
         _check(isinstance(ids, (list, tuple)), f"stop_token_ids must be a list of ints, got {ids!r}")
         self.stop, self.stop_token_ids = list(stop), list(ids)
-        num = (int, float)
-        t, k, p, n = self.temperature, self.top_k, self.top_p, self.max_tokens
-        _check(isinstance(t, num) and not isinstance(t, bool), f"temperature must be a number, got {t!r}")
+        t, k, p, n, seed = self.temperature, self.top_k, self.top_p, self.max_tokens, self.seed
+        _check(_is_number(t), f"temperature must be a finite number, got {t!r}")
         _check(t >= 0, f"temperature must be >= 0 (0 means greedy), got {t}")
         _check(_is_int(k) and (k == -1 or k >= 1), f"top_k must be -1 (disabled) or an int >= 1, got {k!r}")
-        _check(isinstance(p, num) and 0 < p <= 1, f"top_p must be in (0, 1], got {p!r}")
+        _check(_is_number(p) and 0 < p <= 1, f"top_p must be a number in (0, 1], got {p!r}")
         _check(_is_int(n) and n >= 1, f"max_tokens must be an int >= 1, got {n!r}")
-        _check(self.seed is None or _is_int(self.seed), f"seed must be an int or None, got {self.seed!r}")
+        lo, hi = SEED_RANGE
+        _check(seed is None or (_is_int(seed) and lo <= seed <= hi),
+               f"seed must be None or an int in [-2**63, 2**64 - 1], got {seed!r}")  # fmt: skip
+        _check(isinstance(self.ignore_eos, bool), f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         for s in self.stop:
             _check(isinstance(s, str) and s != "", f"stop must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
@@ -53,7 +60,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
 
     def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         """The request's own random stream: seeded if `seed` is set, else from OS entropy."""
@@ -67,6 +74,16 @@ class SamplingParams:
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    """An int or float that is finite as a float (not a bool, not inf or nan, not 10**400)."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
 
 
 def _check(ok: bool, msg: str) -> None:
@@ -89,7 +106,7 @@ def sample(
         return greedy_ids
     dev = logits.device
     temp = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=dev)  # [B]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else V for p in params], device=dev)  # [B]
+    top_k = torch.tensor([min(p.top_k, V) if p.top_k > 0 else V for p in params], device=dev)  # [B]
     top_p = torch.tensor([p.top_p for p in params], device=dev)  # [B]
     # one uniform number per row, from that row's own generator (the only per-row loop)
     u = torch.cat([torch.rand(1, generator=g, device=g.device) for g in generators]).to(dev)  # [B]

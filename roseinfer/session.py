@@ -25,7 +25,7 @@ class InferenceSession:
     params: SamplingParams
     generator: torch.Generator
     detokenizer: Detokenizer
-    eos_token_id: int
+    eos_token_id: int | None  # None: the model has no EOS to stop on
     max_context: int  # the model's context length
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the paged cache; 0 = needs a prefill

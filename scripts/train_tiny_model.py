@@ -16,7 +16,8 @@ Steps:
    held-out text.
 3. Model: `transformers.GPT2LMHeadModel` (the reference implementation of the
    architecture roseinfer re-implements), trained with AdamW + cosine schedule and saved
-   as an HF directory: config.json + model.safetensors + tokenizer.tiktoken.
+   as an HF directory: config.json + model.safetensors + tokenizer.tiktoken, plus GPT-2's
+   vocab.json + merges.txt (scripts/export_hf_tokenizer.py) for transformers' tokenizer.
 """
 
 from __future__ import annotations
@@ -235,6 +236,10 @@ def main() -> None:
     model.eval()
     model.save_pretrained(args.out, safe_serialization=True)
     write_tiktoken_file(ranks, args.out / "tokenizer.tiktoken")
+    sys.path.insert(0, str(REPO / "scripts"))
+    from export_hf_tokenizer import export  # GPT-2's vocab.json + merges.txt from the same ranks
+
+    export(args.out)
     for extra in ("generation_config.json",):
         (args.out / extra).unlink(missing_ok=True)
     final = log[-1]["valid_nats_per_token"]

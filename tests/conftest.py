@@ -74,8 +74,11 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]
     return out[0, len(prompt_ids) :].tolist()
 
 
-def make_random_checkpoint(path: Path, seed: int = 0, safetensors: bool = True, **overrides) -> Path:
-    """Save a small random GPT-2 in HF format (plus the bundled tokenizer) to `path`."""
+def make_random_checkpoint(
+    path: Path, seed: int = 0, safetensors: bool = True, tokenizer: bool = True, **overrides
+) -> Path:
+    """Save a small random GPT-2 in HF format to `path`, plus the bundled tokenizer.tiktoken
+    unless `tokenizer=False`. `overrides` are transformers.GPT2Config fields."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
@@ -90,7 +93,8 @@ def make_random_checkpoint(path: Path, seed: int = 0, safetensors: bool = True, 
         sd = {k.removeprefix("transformer."): v for k, v in model.state_dict().items()}
         sd["h.0.attn.bias"] = torch.tril(torch.ones(kw["n_positions"], kw["n_positions"]))[None, None]
         torch.save(sd, path / "pytorch_model.bin")
-    shutil.copy(Path(DEFAULT_MODEL) / "tokenizer.tiktoken", path / "tokenizer.tiktoken")
+    if tokenizer:
+        shutil.copy(Path(DEFAULT_MODEL) / "tokenizer.tiktoken", path / "tokenizer.tiktoken")
     return path
 
 

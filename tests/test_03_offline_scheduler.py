@@ -92,8 +92,6 @@ def test_llm_generate_names_the_bad_prompt(llm):
         llm.generate(["Romeo.", "", "Juliet."], SamplingParams(max_tokens=4), use_tqdm=False)
     with pytest.raises(ValueError, match="one per prompt"):
         llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
-    with pytest.raises(ValueError, match="empty"):
-        llm.generate([], use_tqdm=False)
 
 
 def test_scheduler_steps_round_robin(engine):

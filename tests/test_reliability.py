@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
+import torch
 from conftest import make_random_checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from roseinfer import LLM, LLMEngine, SamplingParams
+from roseinfer import LLM, InferenceEngine, LLMEngine, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
+NAN, INF = float("nan"), float("inf")
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +62,22 @@ BAD_PARAMS = [
     ({"stop": [None]}, "stop"),
     ({"stop_token_ids": "eos"}, "stop_token_ids"),
     ({"seed": 1.5}, "seed"),
+    ({"temperature": INF}, "temperature"),
+    ({"temperature": NAN}, "temperature"),
+    ({"temperature": True}, "temperature"),
+    ({"temperature": 10**400}, "temperature"),
+    ({"top_p": NAN}, "top_p"),
+    ({"top_p": True}, "top_p"),
+    ({"top_k": 2.0}, "top_k"),
+    ({"top_k": True}, "top_k"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"max_tokens": 4.0}, "max_tokens"),
+    ({"seed": 2**70}, "seed"),  # torch.Generator takes [-2**63, 2**64 - 1]
+    ({"seed": -(2**63) - 1}, "seed"),
+    ({"seed": True}, "seed"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"ignore_eos": None}, "ignore_eos"),
+    ({"stop_token_ids": [True]}, "stop_token_ids"),
 ]
 
 
@@ -67,6 +87,63 @@ BAD_PARAMS = [
 def test_bad_sampling_params(llm, kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+    _after_error_all_is_well(llm)
+
+
+# ---- every constructor argument: zero, negative, huge, wrong type, a bool for an int, nan, inf -------------------
+BAD_ENGINE_ARGS = [  # (argument, bad value, error); the message must name the argument
+    ("model", 3, TypeError), ("model", b"gpt2", TypeError), ("model", "", ValueError),
+    ("device", "gpu", ValueError), ("device", 3, TypeError), ("device", None, TypeError),
+    ("device", "meta", ValueError), ("device", "", ValueError), ("device", "cuda:99", ValueError),
+    ("dtype", "int8", ValueError), ("dtype", 3, TypeError), ("dtype", torch.int64, ValueError),
+    ("block_size", 0, ValueError), ("block_size", -1, ValueError), ("block_size", 1.5, TypeError),
+    ("block_size", True, TypeError), ("block_size", "16", TypeError), ("block_size", None, TypeError),
+    ("block_size", 10**6, ValueError),  # larger than the model's context
+    ("num_blocks", 0, ValueError), ("num_blocks", -1, ValueError), ("num_blocks", 2.0, TypeError),
+    ("num_blocks", True, TypeError), ("num_blocks", "4", TypeError), ("num_blocks", 2**62, ValueError),
+    ("kv_cache_memory", 0, ValueError), ("kv_cache_memory", -1, ValueError), ("kv_cache_memory", 1.5, TypeError),
+    ("kv_cache_memory", True, TypeError), ("kv_cache_memory", "4", TypeError),
+    ("kv_cache_memory", 2**70, ValueError), ("kv_cache_memory", 1, ValueError),  # more than memory; not one block
+    ("gpu_memory_utilization", 0, ValueError), ("gpu_memory_utilization", -0.5, ValueError),
+    ("gpu_memory_utilization", NAN, ValueError), ("gpu_memory_utilization", INF, ValueError),
+    ("gpu_memory_utilization", 1.5, ValueError), ("gpu_memory_utilization", True, TypeError),
+    ("gpu_memory_utilization", "0.5", TypeError), ("gpu_memory_utilization", None, TypeError),
+    ("attention_backend", "TORCH", ValueError), ("attention_backend", 3, TypeError),
+    ("attention_backend", None, TypeError),
+    ("max_num_seqs", 0, ValueError), ("max_num_seqs", -1, ValueError), ("max_num_seqs", 1.5, TypeError),
+    ("max_num_seqs", True, TypeError), ("max_num_seqs", "4", TypeError), ("max_num_seqs", None, TypeError),
+    ("use_kv_cache", "no", TypeError), ("use_kv_cache", 0, TypeError), ("use_kv_cache", None, TypeError),
+]  # fmt: skip
+ENGINE_CASES = [
+    (cls, arg, value, exc)
+    for cls in (LLM, LLMEngine, InferenceEngine)
+    for arg, value, exc in BAD_ENGINE_ARGS
+    if arg in inspect.signature(cls).parameters
+]
+
+
+@pytest.mark.parametrize(
+    ("cls", "arg", "value", "exc"), ENGINE_CASES, ids=[f"{c.__name__}-{a}={v!r}"[:60] for c, a, v, _ in ENGINE_CASES]
+)
+def test_bad_constructor_argument_is_named(cls, arg, value, exc):
+    with pytest.raises(exc, match=arg):
+        cls(**{"device": "cpu", arg: value})
+
+
+def test_edge_values_that_are_valid(llm):
+    """Huge top_k means all tokens, the whole seed range works, a tiny temperature is greedy,
+    no prompts give no outputs, and a list may mix text and token ids."""
+    out = lambda prompts, **kw: [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6, **kw),
+                                                                   use_tqdm=False)]  # fmt: skip
+    assert out(["Romeo.\n"], top_k=2**70, seed=3) == out(["Romeo.\n"], top_k=-1, seed=3)
+    assert all(out(["Romeo.\n"], seed=s) for s in (-(2**63), -1, 2**64 - 1))
+    assert out(["Romeo.\n"], temperature=1e-45) == out(["Romeo.\n"], temperature=0)
+    assert llm.generate([], GREEDY, use_tqdm=False) == [] and llm.generate([], use_tqdm=False) == []
+    ids = llm.tokenizer.encode("Enter Ghost.\n")
+    mixed = llm.generate(["Romeo.\n", ids, "Juliet.\n"], GREEDY, use_tqdm=False)
+    alone = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in ("Romeo.\n", ids, "Juliet.\n")]
+    assert [m.token_ids for m in mixed] == [a.token_ids for a in alone]
+    assert mixed[1].prompt is None and mixed[1].prompt_token_ids == ids
     _after_error_all_is_well(llm)
 
 

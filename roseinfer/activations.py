@@ -1,0 +1,56 @@
+"""The MLP's activation function, by the name a Hugging Face `config.json` gives it.
+
+GPT-2 uses `gelu_new` (GELU with the tanh approximation), but `activation_function` may
+name any entry of transformers' `ACT2FN` table. The names below mean exactly what they
+mean there; names that are spellings of the same function share one entry. Two entries
+of `ACT2FN` carry learned weights (`prelu`, `xielu`), which GPT-2's MLP never loads, so
+they are refused, as is any name we do not know.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+Activation = Callable[[torch.Tensor], torch.Tensor]
+
+_gelu_tanh: Activation = lambda x: F.gelu(x, approximate="tanh")  # 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))
+
+ACTIVATIONS: dict[str, Activation] = {
+    # GELU, tanh approximation: GPT-2's own, under five names
+    "gelu_new": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_python_tanh": _gelu_tanh,
+    "gelu_fast": _gelu_tanh,
+    "gelu_accurate": _gelu_tanh,
+    # exact GELU: x·Φ(x), with the erf
+    "gelu": F.gelu,
+    "gelu_python": F.gelu,
+    "gelu_10": lambda x: F.gelu(x).clamp(-10, 10),
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "relu": F.relu,
+    "relu2": lambda x: F.relu(x).square(),
+    "relu6": F.relu6,
+    "leaky_relu": F.leaky_relu,  # negative slope 0.01
+    "silu": F.silu,
+    "swish": F.silu,
+    "mish": F.mish,
+    "hardswish": F.hardswish,
+    "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
+    "laplace": lambda x: 0.5 * (1.0 + torch.erf((x - 0.707107).div(0.282095 * math.sqrt(2.0)))),
+    "sqrtsoftplus": lambda x: F.softplus(x).sqrt(),
+    "linear": lambda x: x,
+}
+WITH_WEIGHTS = ("prelu", "xielu")  # in ACT2FN, but they have parameters of their own
+
+
+def get_activation(name: str) -> Activation:
+    """The function for `activation_function=name`; a ValueError for anything else."""
+    if name in ACTIVATIONS:
+        return ACTIVATIONS[name]
+    why = "it has learned weights that a GPT-2 checkpoint does not hold" if name in WITH_WEIGHTS else "unknown name"
+    raise ValueError(f"activation_function={name!r} is not supported ({why}); use one of {sorted(ACTIVATIONS)}")
