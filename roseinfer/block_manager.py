@@ -130,6 +130,21 @@ class BlockSpaceManager:
         self.num_tokens[seq_id] += 1
         return new_block
 
+    def allocate_slots(self, seq_id: str, num_new_tokens: int) -> bool:
+        """Make room for `num_new_tokens` more tokens (stage 09: a decode token or a prompt chunk),
+        taking whole blocks as needed; a sequence seen for the first time gets a new table.
+
+        All or nothing: if the free blocks do not cover the growth, nothing is taken and the answer
+        is False (the scheduler then preempts someone, or waits)."""
+        have = self.num_tokens.get(seq_id, 0)
+        need = self.blocks_for(have + num_new_tokens) - len(self.block_tables.get(seq_id, ()))
+        if need > len(self.free_block_ids):
+            return False
+        table = self.block_tables.setdefault(seq_id, [])
+        table.extend(self.free_block_ids.popleft() for _ in range(need))
+        self.num_tokens[seq_id] = have + num_new_tokens
+        return True
+
     def free(self, seq_id: str) -> None:
         """Give a finished (or failed) sequence's blocks back. Unknown ids are ignored."""
         for block in self.block_tables.pop(seq_id, []):

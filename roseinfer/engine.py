@@ -14,8 +14,13 @@ each decode step then feeds only the newest token, at its exact position:
     decode:   [t4] @ pos 4 -> t5, cache += K/V(t4)
 
 Paged (stage 07): the cache is one preallocated pool of blocks owned by the block manager.
-Each forward gets an AttentionMetadata: where to write the new K/V (slot_mapping) and,
-for decode, where every sequence's earlier K/V are (block_tables, context_lens).
+Each forward gets an AttentionMetadata: where to write the new K/V (slot_mapping) and where
+every sequence's earlier K/V are (block_tables).
+
+One forward per step (stage 09): the engine no longer builds tensors. A scheduler decides what
+each step computes (a `SchedulerOutput`) and a `ModelRunner` turns that into one forward pass.
+Even a single request (`token_stream`, `stream`, `generate`) goes through a scheduler and a
+runner of its own, so every feature is built once.
 """
 
 from __future__ import annotations
@@ -25,13 +30,15 @@ from collections.abc import Iterator
 
 import torch
 
-from roseinfer.attention import TORCH_BACKEND, AttentionBackend, AttentionMetadata, get_backend
+from roseinfer.attention import get_backend
 from roseinfer.block_manager import BlockSpaceManager
 from roseinfer.checks import check_engine_args, check_kv_pool
 from roseinfer.detokenizer import Detokenizer
 from roseinfer.kv_cache import KVCache
 from roseinfer.loader import load_model, pick_device, pick_dtype
-from roseinfer.sampling import SamplingParams, sample
+from roseinfer.model_runner import ModelRunner
+from roseinfer.sampling import SamplingParams
+from roseinfer.scheduler import Scheduler
 from roseinfer.session import InferenceSession
 from roseinfer.tokenizer import Tokenizer
 
@@ -58,7 +65,7 @@ class InferenceEngine:
         self.gpu_memory_utilization = gpu_memory_utilization
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
-        self.attn_backend = get_backend(attention_backend, self.device)  # 'auto': triton on CUDA, torch on CPU
+        self.attn_backend = get_backend(attention_backend, self.device)  # 'auto': triton on CUDA, sdpa on CPU
         self.model, self.model_dir = load_model(model, self.device, self.dtype)
         self.config = self.model.config
         check_kv_pool(block_size, num_blocks, kv_cache_memory, self.config.n_positions, self.kv_bytes_per_token,
@@ -67,6 +74,7 @@ class InferenceEngine:
         self.eos_token_id = self.config.eos_token_id  # what transformers' generate stops on (None: never)
         # a pool for one sequence, used by the single-request path (token_stream, stream, generate)
         self.solo_block_manager = BlockSpaceManager(block_size, -(-self.config.n_positions // block_size))
+        self._solo: tuple[Scheduler, ModelRunner] | None = None  # its scheduler and runner, made on first use
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -94,6 +102,11 @@ class InferenceEngine:
             bm = block_manager
             bm.kv_cache = KVCache(self.config, bm.num_blocks, bm.block_size, self.dtype, self.device)
         return block_manager.kv_cache
+
+    def make_runner(self, block_manager: BlockSpaceManager) -> ModelRunner:
+        """A model runner over the pool behind `block_manager`."""
+        return ModelRunner(self.model, self.kv_cache_for(block_manager), self.attn_backend, self.device,
+                           use_kv_cache=self.use_kv_cache)  # fmt: skip
 
     # ---- input checks -------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -133,74 +146,23 @@ class InferenceEngine:
         )
 
     def step_session(self, session: InferenceSession) -> int:
-        """Advance one unfinished session by one token and return it (single-request path)."""
-        bm = self.solo_block_manager
-        if session.request_id not in bm.block_tables:
-            for old in list(bm.block_tables):  # one session at a time: drop anything abandoned
-                bm.free(old)
-            bm.allocate(session.request_id, session.num_tokens)
-        else:
-            bm.append_slot(session.request_id)
-        self.step_sessions([session], bm)
+        """Advance one unfinished session by one token and return it (the single-request path).
+
+        It runs on the same Scheduler and ModelRunner as everything else, over a pool that holds
+        exactly one context: the first call prefills the prompt, each later call decodes a token."""
+        if self._solo is None:
+            budget = max(self.config.n_positions, 2048)  # a whole prompt in one step
+            self._solo = (Scheduler(self.solo_block_manager, 1, budget), self.make_runner(self.solo_block_manager))
+        scheduler, runner = self._solo
+        if session not in scheduler.running and session not in scheduler.waiting:
+            for old in [*scheduler.running, *scheduler.waiting]:  # one session at a time: drop anything abandoned
+                scheduler.finish(old)
+            scheduler.add(session)
+        sched = scheduler.schedule()
+        scheduler.update_from_output(sched, runner.execute_model(sched))
         if session.finished:
-            bm.free(session.request_id)
+            scheduler.finish(session)
         return session.output_ids[-1]
-
-    @torch.inference_mode()
-    def step_sessions(self, sessions: list[InferenceSession], block_manager: BlockSpaceManager) -> None:
-        """Advance unfinished sessions by one token each. Their KV slots must already be booked in
-        `block_manager` (the scheduler does that): blocks for the whole sequence at prefill,
-        one more slot per decode.
-
-        New (or preempted) sessions are prefilled one by one; every decoding session goes through
-        ONE batched forward that reads its K/V from the paged pool. Then the whole [B, V] batch of
-        logits is sampled at once, each row with its own SamplingParams and generator.
-        """
-        if not sessions:
-            return
-        if not self.use_kv_cache:  # naive: the whole sequence again, one session at a time
-            rows = [
-                self.model(torch.tensor([s.prompt_ids + s.output_ids], device=self.device))[:, -1] for s in sessions
-            ]
-            order = sessions
-        else:
-            pool = self.kv_cache_for(block_manager).layers
-            prefills = [s for s in sessions if s.num_computed_tokens == 0]
-            decodes = [s for s in sessions if s.num_computed_tokens > 0]
-            rows = [self._prefill(s, block_manager, pool) for s in prefills]
-            if decodes:
-                rows.append(self._decode(decodes, block_manager, pool))
-            order = prefills + decodes
-        logits = torch.cat(rows)  # [B, V]
-        next_ids = sample(logits, [s.params for s in order], [s.generator for s in order]).tolist()
-        for session, token_id in zip(order, next_ids, strict=True):
-            session.append_token(token_id)
-
-    def _prefill(self, session: InferenceSession, bm: BlockSpaceManager, pool) -> torch.Tensor:
-        """Run the whole sequence once, writing its K/V into the pool. Returns the last logits [1, V].
-
-        For a new request that is the prompt; for a preempted one, prompt + the tokens it had generated."""
-        tokens = session.prompt_ids + session.output_ids
-        meta = prefill_metadata(session, bm, self.device, self.attn_backend)
-        logits = self.model(torch.tensor([tokens], device=self.device), None, pool, meta)  # [1, T, V]
-        session.num_computed_tokens = len(tokens)
-        return logits[:, -1]
-
-    def _decode(self, sessions: list[InferenceSession], bm: BlockSpaceManager, pool) -> torch.Tensor:
-        """One batched forward for the newest token of every session. Returns logits [B, V].
-
-        No padding and no copies of the cache: each row only needs its block table.
-
-            seq 0: pos 37, table [7, 2, 9]   -> new K/V go to slot 9·16 + 5, attend to 38 tokens
-            seq 1: pos 15, table [4]         -> slot 4·16 + 15, attend to 16 tokens
-        """
-        meta = decode_metadata(sessions, bm, self.device, self.attn_backend)
-        positions = (meta.context_lens - 1).long()[:, None]  # the newest token's position, per row: [B, 1]
-        tokens = torch.tensor([[s.last_token_id] for s in sessions], device=self.device)  # [B, 1]
-        logits = self.model(tokens, positions, pool, meta)  # [B, 1, V]
-        for s in sessions:
-            s.num_computed_tokens = s.num_tokens
-        return logits[:, -1]
 
     # ---- one request at a time ----------------------------------------------------------
     def token_stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
@@ -237,37 +199,3 @@ class InferenceEngine:
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         return SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed, **sampling)
-
-
-# ---- attention metadata (vLLM's names) -------------------------------------------------
-def prefill_metadata(
-    session: InferenceSession, bm: BlockSpaceManager, device: torch.device, backend: AttentionBackend = TORCH_BACKEND
-) -> AttentionMetadata:
-    """One slot per token of the sequence, in order."""
-    slots = [bm.slot(session.request_id, pos) for pos in range(session.num_tokens)]
-    return AttentionMetadata(is_prefill=True, slot_mapping=torch.tensor(slots, device=device), backend=backend)
-
-
-def decode_metadata(
-    sessions: list[InferenceSession],
-    bm: BlockSpaceManager,
-    device: torch.device,
-    backend: AttentionBackend = TORCH_BACKEND,
-) -> AttentionMetadata:
-    """Decode: the newest token of each sequence is at position num_tokens - 1.
-
-    slot_mapping  [B]              where its K/V go: table[pos // bs] * bs + pos % bs
-    block_tables  [B, max_blocks]  each row's physical blocks, padded with 0 (never read)
-    context_lens  [B]              pos + 1 tokens to attend to
-    """
-    ids = [s.request_id for s in sessions]
-    positions = [s.num_tokens - 1 for s in sessions]
-    tables = [bm.block_tables[i] for i in ids]
-    width = max(map(len, tables))
-    return AttentionMetadata(
-        is_prefill=False,
-        slot_mapping=torch.tensor([bm.slot(i, p) for i, p in zip(ids, positions, strict=True)], device=device),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
-        context_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=device),
-        backend=backend,
-    )

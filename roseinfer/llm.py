@@ -36,15 +36,19 @@ class LLM:
         max_num_seqs: int = 64,
         gpu_memory_utilization: float = 0.9,
         attention_backend: str = "auto",
+        max_num_batched_tokens: int | None = None,
+        enable_chunked_prefill: bool = True,
     ):
         """`block_size`, `num_blocks` / `kv_cache_memory` (bytes; CPU default 256 MiB) /
         `gpu_memory_utilization` (CUDA) size the KV pool; `max_num_seqs` caps how many
-        requests decode together. `attention_backend`: 'auto' (triton on CUDA, torch on CPU),
-        'torch' or 'triton'."""
+        requests run together and `max_num_batched_tokens` how many tokens one step computes
+        (default 2048), with long prompts cut into chunks if `enable_chunked_prefill`.
+        `attention_backend`: 'auto' (triton on CUDA, sdpa on CPU), 'torch', 'sdpa' or 'triton'."""
         self.llm_engine = LLMEngine(
             model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization,
-            attention_backend=attention_backend,
+            attention_backend=attention_backend, max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=enable_chunked_prefill,
         )  # fmt: skip
         self.engine = self.llm_engine.engine
         self.tokenizer = self.llm_engine.tokenizer

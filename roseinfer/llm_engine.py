@@ -3,13 +3,18 @@
     engine = LLMEngine(max_num_seqs=8)
     engine.add_request("a", "Romeo.\\n", SamplingParams(max_tokens=32))
     while engine.has_unfinished_requests():
-        for out in engine.step():          # one scheduler step: admit, prefill, batched decode
+        for out in engine.step():          # one scheduler step: one forward over every scheduled token
             print(out.request_id, repr(out.delta), out.finished)
         if time_for_more: engine.add_request("b", "Juliet.\\n")   # joins the running batch next step
 
-Each `step()` asks the `Scheduler` for a batch (newly admitted requests + everything
-running), runs it through `InferenceEngine.step_sessions`, and returns one RequestOutput
-per request that ran, with the text that became final in this step (`delta`).
+Each `step()` is three calls (stage 09, vLLM v1's loop):
+
+    scheduler_output = scheduler.schedule()                   # who computes how many tokens
+    sampled = model_runner.execute_model(scheduler_output)     # ONE forward pass, then sampling
+    scheduler.update_from_output(scheduler_output, sampled)    # advance requests, append tokens
+
+and returns one RequestOutput per request that got a new token, with the text that became final
+in this step (`delta`). A request whose prompt is still being prefilled in chunks gets none yet.
 """
 
 from __future__ import annotations
@@ -19,11 +24,12 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from roseinfer.checks import check_int
+from roseinfer.checks import check_bool, check_int
 from roseinfer.engine import InferenceEngine
 from roseinfer.outputs import RequestOutput
 from roseinfer.sampling import SamplingParams
 from roseinfer.scheduler import Scheduler
+from roseinfer.scheduler_output import SchedulerOutput
 from roseinfer.session import InferenceSession
 
 
@@ -39,8 +45,15 @@ class LLMEngine:
         max_num_seqs: int = 64,
         gpu_memory_utilization: float = 0.9,
         attention_backend: str = "auto",
+        max_num_batched_tokens: int | None = None,
+        enable_chunked_prefill: bool = True,
     ):
+        """`max_num_batched_tokens`: tokens one step may compute (default 2048, or the model's context
+        if larger and chunked prefill is off); `enable_chunked_prefill`: cut long prompts into chunks
+        that fit the budget, so running requests keep decoding while a long prompt is prefilled."""
         check_int("max_num_seqs", max_num_seqs)  # before loading anything
+        check_int("max_num_batched_tokens", max_num_batched_tokens, none_ok=True)
+        check_bool("enable_chunked_prefill", enable_chunked_prefill)
         self.engine = InferenceEngine(
             model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
@@ -48,8 +61,12 @@ class LLMEngine:
         )  # fmt: skip
         self.tokenizer = self.engine.tokenizer
         self.block_manager = self.engine.make_block_manager()
-        self.engine.kv_cache_for(self.block_manager)  # allocate the KV pool now
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs)
+        self.model_runner = self.engine.make_runner(self.block_manager)  # allocates the KV pool now
+        n_ctx = self.engine.config.n_positions
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, n_ctx)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
+                                   max_model_len=n_ctx)  # fmt: skip
         self.sessions: dict[str, InferenceSession] = {}  # unfinished requests by id
         self.trace: list[dict] | None = None  # set to [] to record every step (notebooks, examples)
         self.num_steps = 0
@@ -72,21 +89,22 @@ class LLMEngine:
         return bool(self.sessions)
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; return an output for every request that ran."""
+        """Run one step: schedule, one forward, update. Returns an output for every request that got a token."""
         try:
-            batch = self.scheduler.schedule()
-            self.engine.step_sessions(batch, self.block_manager)
+            sched = self.scheduler.schedule()
+            sampled = self.model_runner.execute_model(sched)
+            produced = self.scheduler.update_from_output(sched, sampled)
         except BaseException:
             for s in list(self.sessions.values()):  # a failed forward: fail every request, leak no block
                 self._retire(s, reason="abort")
             raise
-        outputs = [s.output(delta=s.last_delta) for s in batch]
-        for s in batch:
+        outputs = [s.output(delta=s.last_delta) for s in produced]
+        for s in produced:
             if s.finished:
                 self._retire(s)
         self.num_steps += 1
         if self.trace is not None:
-            self.trace.append(self._trace_entry(batch))
+            self.trace.append(self._trace_entry(sched))
         return outputs
 
     def stream(
@@ -105,12 +123,15 @@ class LLMEngine:
         self.scheduler.finish(session)
         self.sessions.pop(session.request_id, None)
 
-    def _trace_entry(self, batch: list[InferenceSession]) -> dict:
-        ran = [s.request_id for s in batch]
+    def _trace_entry(self, sched: SchedulerOutput) -> dict:
         return {
             "step": self.num_steps,
-            "ran": ran,
-            "finished": [s.request_id for s in batch if s.finished],
+            "ran": [s.request_id for s in sched.scheduled],
+            "num_scheduled_tokens": dict(sched.num_scheduled_tokens),
+            "scheduled_new_reqs": sched.scheduled_new_reqs,
+            "scheduled_resumed_reqs": sched.scheduled_resumed_reqs,
+            "preempted_req_ids": sched.preempted_req_ids,
+            "finished": [s.request_id for s in sched.scheduled if s.finished],
             "waiting": [s.request_id for s in self.scheduler.waiting],
             "running": [s.request_id for s in self.scheduler.running],
             "preemptions": self.scheduler.num_preemptions,

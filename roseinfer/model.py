@@ -65,30 +65,26 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
     def forward(self, x: torch.Tensor, kv_cache: KV | None = None, meta: AttentionMetadata | None = None):
-        """x [B, T, C] -> [B, T, C].
+        """Two shapes in, the same shape out.
 
-        Without a cache this is plain causal attention (the naive path). With the paged cache
-        (`kv_cache` = this layer's K and V pools [num_blocks, block_size, H, D]) the new
-        tokens' K/V are first written into their slots (`meta.slot_mapping`), then:
-          prefill (B = 1, the whole prompt): attend within the prompt's own q/k/v;
-          decode (T = 1 per sequence): read every earlier token through the block table.
+        dense  x [B, T, C], no cache: plain causal attention over the T tokens (the naive loop).
+        paged  x [N, C]: one step's new tokens of every request, flattened. Their K/V are first
+               written into their slots of this layer's pool (`meta.slot_mapping`); then each
+               request's queries attend to its whole context, read through its block table: what
+               earlier steps wrote plus what this step just wrote.
         """
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 × [B, T, C]
-        q, k, v = (t.view(B, T, self.n_head, self.head_dim) for t in (q, k, v))  # [B, T, H, D]
-        if kv_cache is not None:
-            meta.backend.write_kv(k.reshape(B * T, self.n_head, self.head_dim),
-                                  v.reshape(B * T, self.n_head, self.head_dim),
-                                  kv_cache[0], kv_cache[1], meta.slot_mapping)  # fmt: skip
-        if kv_cache is None or meta.is_prefill:
-            # softmax(q kᵀ · scale) v over [B, H, T, D], where token t may only look at tokens ≤ t
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               is_causal=True, scale=self.scale)  # fmt: skip
-            y = y.transpose(1, 2)  # [B, T, H, D]
-        else:
-            y = meta.backend.paged_attention(q[:, 0], kv_cache[0], kv_cache[1], meta.block_tables,
-                                             meta.context_lens, self.scale)[:, None]  # fmt: skip
-        return self.c_proj(y.reshape(B, T, C))  # merge heads back: [B, T, C]
+        if kv_cache is None:
+            B, T, C = x.shape
+            q, k, v = self.c_attn(x).split(C, dim=2)  # 3 × [B, T, C]
+            q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+            # softmax(q kᵀ · scale) v, where token t may only look at tokens ≤ t
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)  # [B, H, T, D]
+            return self.c_proj(y.transpose(1, 2).reshape(B, T, C))  # merge heads back: [B, T, C]
+        N, C = x.shape
+        q, k, v = (t.view(N, self.n_head, self.head_dim) for t in self.c_attn(x).split(C, dim=1))  # 3 × [N, H, D]
+        meta.backend.write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        y = meta.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [N, H, D]
+        return self.c_proj(y.reshape(N, C))
 
 
 class MLP(nn.Module):
@@ -131,24 +127,28 @@ class GPT2(nn.Module):
         # the LM head: wteᵀ when tied (GPT-2), else its own [V, C] weight (tie_word_embeddings=false)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        kv_caches: list[KV] | None = None,
-        meta: AttentionMetadata | None = None,
-    ) -> torch.Tensor:
-        """input_ids [B, T] -> logits [B, T, V]. Positions default to 0..T-1.
-
-        `kv_caches` (one (K, V) pool per layer) and `meta` switch on the paged KV cache.
-        """
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, V], positions 0..T-1, no cache (the naive loop, tests)."""
         B, T = input_ids.shape
-        if position_ids is None:
-            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         tr = self.transformer
-        x = tr.wte(input_ids) + tr.wpe(position_ids)  # [B, T, C]
-        for i, block in enumerate(tr.h):
-            x = block(x, None if kv_caches is None else kv_caches[i], meta)
-        x = tr.ln_f(x)
-        head = tr.wte.weight if self.lm_head is None else self.lm_head.weight  # [V, C]
-        return F.linear(x, head)  # LM head: [B, T, C] @ [C, V] -> [B, T, V]
+        x = tr.wte(input_ids) + tr.wpe(torch.arange(T, device=input_ids.device))  # [B, T, C]
+        for block in tr.h:
+            x = block(x)
+        return self.compute_logits(tr.ln_f(x))
+
+    def forward_paged(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KV], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """One engine step: input_ids [N] and positions [N] of every request's new tokens, flattened
+        (see `roseinfer/model_runner.py`) -> hidden states [N, C]. The K/V land in `kv_caches`, one
+        (K, V) pool per layer. Only the rows that need a next token go on to `compute_logits`."""
+        tr = self.transformer
+        x = tr.wte(input_ids) + tr.wpe(positions)  # [N, C]
+        for block, kv_cache in zip(tr.h, kv_caches, strict=True):
+            x = block(x, kv_cache, meta)
+        return tr.ln_f(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [..., C] -> logits [..., V], through the LM head."""
+        head = self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight  # [V, C]
+        return F.linear(hidden, head)

@@ -15,20 +15,26 @@ Stage 04 adds the block manager: a session's first turn allocates blocks for its
 prompt, each later turn one slot for the token it feeds, and a finished session gives
 its blocks back at once. A session that cannot get a block waits for a later step.
 
-Stage 05: the sessions that decode in a step share ONE batched forward pass
-(`InferenceEngine.step_sessions`); only prefills still run one by one.
+Stage 05: the sessions that decode in a step share ONE batched forward pass; only
+prefills still ran one by one. Stage 09: both schedulers hand their step to the model runner
+as a `SchedulerOutput`, and the whole step (prefills and decodes) is one forward pass.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
+from typing import TYPE_CHECKING
 
 from roseinfer.block_manager import AllocStatus, BlockSpaceManager
-from roseinfer.engine import InferenceEngine
+from roseinfer.checks import check_int
 from roseinfer.outputs import RequestOutput
 from roseinfer.sampling import SamplingParams
+from roseinfer.scheduler_output import SchedulerOutput
 from roseinfer.session import InferenceSession
+
+if TYPE_CHECKING:
+    from roseinfer.engine import InferenceEngine
 
 
 class KVCacheFullError(RuntimeError):
@@ -39,6 +45,7 @@ class OfflineScheduler:
     def __init__(self, engine: InferenceEngine, block_manager: BlockSpaceManager | None = None, trace: bool = False):
         self.engine = engine
         self.block_manager = block_manager or engine.make_block_manager()
+        self.model_runner = engine.make_runner(self.block_manager)
         self.sessions: dict[str, InferenceSession] = {}  # insertion order = arrival order
         self.trace: list[dict] | None = [] if trace else None  # block tables after each step
         self.num_steps = 0
@@ -65,8 +72,12 @@ class OfflineScheduler:
         ran = []
         try:
             batch = [s for s in self.sessions.values() if not s.finished and self._reserve_slots(s)]
-            self.engine.step_sessions(batch, self.block_manager)  # prefills, then ONE batched decode
+            sched = SchedulerOutput(batch, {s.request_id: s.num_tokens - s.num_computed_tokens for s in batch},
+                                    self.block_manager.block_tables)  # fmt: skip
+            sampled = self.model_runner.execute_model(sched)  # prefills and decodes: ONE forward
             for session in batch:
+                session.num_computed_tokens = session.num_tokens
+                session.append_token(sampled[session.request_id])
                 ran.append(session.request_id)
                 if session.finished:
                     self.block_manager.free(session.request_id)
@@ -110,32 +121,52 @@ class OfflineScheduler:
 
 
 class Scheduler:
-    """Continuous batching (stage 06): requests join and leave the batch at every step.
+    """Continuous batching (stage 06) under a token budget (stage 09), as in vLLM v1.
 
-    Two queues, as in vLLM. `waiting`: requests not running (new, or preempted), FCFS.
-    `running`: requests that hold KV blocks and decode one token per step. Each `schedule()`:
+    Two queues. `waiting`: requests not running (new, or preempted), FCFS. `running`: requests
+    that hold KV blocks. There are no prefill and decode phases: a request has `num_tokens` (prompt
+    + generated) and `num_computed_tokens` (those whose K/V are in the cache), and each step hands
+    out at most `max_num_batched_tokens` tokens of work:
 
-      1. books one KV slot for every running request, oldest first. When the pool has no
-         free block, the most recently admitted running request is *preempted* (stage 07):
-         its blocks go back and it returns to the front of `waiting`; when readmitted it
-         recomputes its K/V (prompt + what it generated) in one prefill and carries on;
-      2. admits waiting requests, oldest first, while fewer than `max_num_seqs` run and the
-         block manager answers OK (LATER: stop admitting, wait a step). Nothing is admitted
-         in a step that had to preempt;
-      3. returns the batch: newly admitted (to prefill) + running (to decode).
+      1. running requests first, oldest first: each gets what it still lacks, which is one token
+         for a decode, or the rest of a prompt (a chunk of it if the budget is short). Its KV slots
+         are booked; when the pool is out of blocks the youngest running request is preempted by
+         recompute (stage 07: blocks freed, back to the front of `waiting`, num_computed_tokens 0);
+      2. then waiting requests, oldest first, while fewer than `max_num_seqs` run, tokens are
+         left and the block manager can book the slots (else wait: nobody overtakes). With
+         `enable_chunked_prefill` a prompt longer than the tokens left is cut: its first chunk now,
+         the rest in later steps. Nothing is admitted in a step that had to preempt;
+      3. the result is a `SchedulerOutput`; after the model runner has run it,
+         `update_from_output` advances every request and appends the sampled tokens.
 
-    The caller runs the batch and calls `finish()` for requests that ended: their blocks
-    go back at once and their batch slots are free for the next step's admissions.
+        budget 64, running A B (decoding), C (prompt of 100, 48 computed), waiting D (prompt 30)
+        step:  A 1 · B 1 · C 52 (its rest) · D 10 (a first chunk)     = 64 tokens, one forward
     """
 
-    def __init__(self, block_manager: BlockSpaceManager, max_num_seqs: int = 64):
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    def __init__(
+        self,
+        block_manager: BlockSpaceManager,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_chunked_prefill: bool = True,
+        max_model_len: int | None = None,
+    ):
+        check_int("max_num_seqs", max_num_seqs)
+        check_int("max_num_batched_tokens", max_num_batched_tokens)
+        if not enable_chunked_prefill and max_model_len and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) is smaller than the model's context "
+                f"({max_model_len}): without chunked prefill a long prompt could never be scheduled; "
+                f"raise max_num_batched_tokens or set enable_chunked_prefill=True"
+            )
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[InferenceSession] = deque()
         self.running: list[InferenceSession] = []
         self.num_preemptions = 0
+        self._preempted: set[str] = set()  # ids that were preempted and have not run since
 
     def add(self, session: InferenceSession) -> None:
         """Queue a request. One that could not fit the pool even alone (prompt + max_tokens) fails here."""
@@ -149,30 +180,53 @@ class Scheduler:
             )
         self.waiting.append(session)
 
-    def schedule(self) -> list[InferenceSession]:
-        """Pick this step's batch (see the class docstring)."""
-        bm = self.block_manager
-        decoding, preempted = [], False
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work (see the class docstring)."""
+        bm, budget = self.block_manager, self.max_num_batched_tokens
+        scheduled, num_new, preempted = [], {}, []
         for session in list(self.running):  # oldest first
+            if budget == 0:
+                break  # out of tokens: the rest wait one step (they keep their blocks)
             if session not in self.running:
-                continue  # preempted earlier in this loop
-            while not bm.can_append_slot(session.request_id):
-                self._preempt(self.running[-1])  # the youngest gives its blocks back
-                preempted = True
-                if session not in self.running:
+                break  # preempted below: it and everyone after it are gone
+            n = min(session.num_tokens - session.num_computed_tokens, budget)
+            while not bm.allocate_slots(session.request_id, n):
+                victim = self.running[-1]  # the youngest gives its blocks back
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is session:
                     break
             else:
-                bm.append_slot(session.request_id)
-                decoding.append(session)
-        admitted = []
-        while not preempted and self.waiting and len(self.running) < self.max_num_seqs:
+                scheduled.append(session)
+                num_new[session.request_id] = n
+                budget -= n
+        new, resumed = [], []
+        while not preempted and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             session = self.waiting[0]
-            if bm.can_allocate(session.num_tokens) is not AllocStatus.OK:
-                break  # FCFS: nobody overtakes the oldest waiting request
-            bm.allocate(session.request_id, session.num_tokens)
+            n = session.num_tokens - session.num_computed_tokens
+            if n > budget and not self.enable_chunked_prefill:
+                break  # the whole prompt does not fit this step's budget: wait for a step with room
+            n = min(n, budget)
+            if not bm.allocate_slots(session.request_id, n):
+                break  # LATER: FCFS, nobody overtakes the oldest waiting request
             self.running.append(self.waiting.popleft())
-            admitted.append(session)
-        return admitted + decoding
+            (resumed if session.request_id in self._preempted else new).append(session.request_id)
+            self._preempted.discard(session.request_id)
+            scheduled.append(session)
+            num_new[session.request_id] = n
+            budget -= n
+        return SchedulerOutput(scheduled, num_new, bm.block_tables, new, resumed, preempted)
+
+    def update_from_output(self, sched: SchedulerOutput, sampled: dict[str, int]) -> list[InferenceSession]:
+        """After the forward: count the computed tokens, append the sampled ones. Returns the requests
+        that got a new token (some may now be finished; the caller retires those with `finish`)."""
+        produced = []
+        for session in sched.scheduled:
+            session.num_computed_tokens += sched.num_scheduled_tokens[session.request_id]
+            if session.request_id in sampled:
+                session.append_token(sampled[session.request_id])
+                produced.append(session)
+        return produced
 
     def _preempt(self, session: InferenceSession) -> None:
         """Preempt by recompute: drop the K/V, keep the tokens, go back to the front of the queue."""
@@ -180,11 +234,13 @@ class Scheduler:
         self.running.remove(session)
         session.num_computed_tokens = 0
         self.waiting.appendleft(session)
+        self._preempted.add(session.request_id)
         self.num_preemptions += 1
 
     def finish(self, session: InferenceSession) -> None:
         """A request ended (or was aborted): free its blocks and its place in the batch."""
         self.block_manager.free(session.request_id)
+        self._preempted.discard(session.request_id)
         if session in self.running:
             self.running.remove(session)
         elif session in self.waiting:

@@ -17,7 +17,7 @@ from roseinfer.outputs import RequestOutput
 from roseinfer.sampling import SamplingParams
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: compared by identity, not field by field
 class InferenceSession:
     request_id: str
     prompt: str | None
@@ -28,7 +28,7 @@ class InferenceSession:
     eos_token_id: int | None  # None: the model has no EOS to stop on
     max_context: int  # the model's context length
     output_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose K/V are in the paged cache; 0 = needs a prefill
+    num_computed_tokens: int = 0  # tokens whose K/V are in the paged cache (stage 09: may grow in chunks)
     finish_reason: str | None = None
     last_delta: str = ""  # the text that became final with the latest token (for streaming)
 
@@ -44,6 +44,15 @@ class InferenceSession:
     @property
     def last_token_id(self) -> int:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens start .. end-1 of the sequence (prompt, then generated), without copying all of it."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
 
     def append_token(self, token_id: int) -> None:
         """Record a sampled token, stream it through the detokenizer, and decide whether we are done."""

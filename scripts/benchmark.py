@@ -11,10 +11,11 @@ generation (model loading and a tiny warm-up run are excluded) and report output
     python scripts/benchmark.py --num-requests 64 --input-len 32 64 --output-len 100 100 --threads 2
 
 Engines: `roseinfer` (`LLM.generate`), `hf-generate` (`GPT2LMHeadModel.generate` on left-padded static batches of
---batch-size; each batch runs to its longest output, only the requested tokens count) and `hf-cb` (transformers'
-continuous batching, with an explicit `ContinuousBatchingConfig` sized from the workload). `--model` takes a model
-directory, a Hub id, or one of gpt2 / gpt2-medium / gpt2-large / gpt2-xl for random weights with those shapes
-(saved once under --cache-dir; for the real GPT-2 weights use the Hub id openai-community/gpt2).
+--batch-size; each batch runs to its longest output, only the requested tokens count), `hf-cb` (transformers'
+continuous batching, with an explicit `ContinuousBatchingConfig` sized from the workload) and `dense-limit` (a bare
+decode loop of the same weights at --batch-size with contiguous K/V: the ceiling, see scripts/dense_limit.py).
+`--model` takes a model directory, a Hub id, or one of gpt2 / gpt2-medium / gpt2-large / gpt2-xl for random weights
+with those shapes (saved once under --cache-dir; for the real GPT-2 weights use the Hub id openai-community/gpt2).
 
 On a CPU shared with other work, pass --threads 1: torch's intra-op threads on busy cores can be 10-50x slower.
 """
@@ -38,6 +39,8 @@ import torch
 
 REPO = next((p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists()), Path.cwd())
 sys.path.insert(0, str(REPO))  # run from a checkout without `pip install -e .`
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dense_limit import run_dense_limit  # noqa: E402  (scripts/dense_limit.py)
 
 # Presets. Lengths are [min, max], both inclusive. "gpu" is given for a 1024-token context and scaled to the model's.
 WORKLOADS = {
@@ -255,7 +258,12 @@ def run_hf_cb(wl: Workload, model_dir: Path, device, dtype, batch_size: int):
     return results, elapsed
 
 
-ENGINES = {"roseinfer": run_roseinfer, "hf-generate": run_hf_generate, "hf-cb": run_hf_cb}
+ENGINES = {
+    "roseinfer": run_roseinfer,
+    "hf-generate": run_hf_generate,
+    "hf-cb": run_hf_cb,
+    "dense-limit": run_dense_limit,
+}
 
 
 def decode_roofline(wl: Workload, cfg: dict, dtype: torch.dtype, batch_size: int, bandwidth: float) -> dict:
@@ -374,6 +382,11 @@ def main(argv=None) -> int:
             f"{name:<12} {r['requests']:>8} {r['output_tokens']:>10} {r['seconds']:>8.2f} "
             f"{r['output_tokens_per_s']:>10.1f} {ratio:>12}{flag}"
         )
+    ok = {n: r["output_tokens_per_s"] for n, r in results.items() if "error" not in r}
+    if base and len(ok) > 1:  # the targets are ratios of roseinfer to its peers in this same run
+        ratios = [f"{base / v:.2f}x {n}" for n, v in ok.items() if n not in ("roseinfer", "dense-limit")]
+        limit = f"; {base / ok['dense-limit']:.0%} of dense-limit" if "dense-limit" in ok else ""
+        print(f"roseinfer = {', '.join(ratios) or '-'}{limit}")
     roofline = None
     if device.type == "cuda":
         sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -4,7 +4,7 @@
 # their output goes to results/reproduce/NN.txt, and the figures it draws are copied into this
 # checkout's chapters/ (figures are never edited by hand). The notebooks are this checkout's
 # (corrected since their stage, perhaps), run on the stage's code. Then scripts/bench_stages.py
-# draws the README's stage-progression plot. About 15 minutes on 2 CPU cores.
+# draws the README's stage-progression plot. About 30 minutes on 2 CPU cores.
 #   ./scripts/reproduce.sh          # everything
 #   ./scripts/reproduce.sh 04 07    # some stages
 set -euo pipefail
@@ -23,7 +23,8 @@ declare -A CMDS=(
   [05]="python scripts/benchmark.py --workload small"
   [06]="$nb notebooks/continuous_batching.ipynb; python scripts/online_example.py; python scripts/benchmark.py --workload mixed"
   [07]="$nb notebooks/kv_memory.ipynb; python scripts/paged_example.py; python scripts/benchmark.py --workload mixed"
-  [08]="python scripts/verify_paged_attention.py; python $root/scripts/triton_aot.py"
+  [08]="python scripts/verify_paged_attention.py; python $root/scripts/triton_aot.py; python $root/scripts/profile_engine.py; python $root/scripts/profile_engine.py --threads 1"
+  [09]="python scripts/chunked_prefill_example.py; python scripts/chunked_prefill_example.py --no-chunking --budget 512; python scripts/profile_engine.py; python scripts/profile_engine.py --threads 1; for t in 2 1; do for w in small mixed; do python scripts/benchmark.py --workload \$w --threads \$t; done; python scripts/benchmark.py --model gpt2 --num-requests 32 --input-len 16 128 --output-len 32 96 --threads \$t; done; python scripts/measure_chunked_prefill.py; python $root/scripts/triton_aot.py"
 )
 for tag in $(git tag --list 'stage-*' | sort); do
   nn="${tag#stage-}"; nn="${nn%%-*}"

@@ -16,8 +16,8 @@ Next to that it prints the bytes each launch must read, and the time that takes 
 per byte or two it reads, so memory bandwidth, not arithmetic, bounds it (the decode roofline).
 
 The kernels are listed once, in KERNELS: one entry per kernel with the arguments of a real launch
-at a given model shape. A new kernel in roseinfer/attention/triton_kernels.py gets an entry there;
-tests/test_08_triton_aot.py fails until it has one.
+at a given model shape. A new kernel in roseinfer/attention/triton_kernels.py or triton_prefill.py gets an entry
+there; tests/test_08_triton_aot.py fails until it has one.
 
 Run it without TRITON_INTERPRET: under the interpreter Triton builds no compilable kernels.
 """
@@ -43,7 +43,9 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from roseinfer.attention import triton_kernels  # noqa: E402
+from roseinfer.attention import triton_kernels, triton_prefill  # noqa: E402
+
+MODULES = [triton_kernels, triton_prefill]  # every file of roseinfer that defines and launches kernels
 
 TARGETS = {"sm_80": GPUTarget("cuda", 80, 32), "sm_90": GPUTarget("cuda", 90, 32)}  # (backend, arch, warp size)
 BANDWIDTH = {"H100": 3.35e12, "A100": 2.0e12}  # bytes/s, data sheets: H100 SXM, A100 80GB SXM
@@ -89,7 +91,7 @@ def f32() -> tuple[str, None]:
     return ("fp32", None)
 
 
-def const(value: int) -> tuple[str, int]:
+def const(value: int | str) -> tuple[str, int | str]:
     return ("constexpr", value)
 
 
@@ -120,6 +122,14 @@ def _cache_strides(s: Shape) -> dict[str, tuple[str, int]]:
 
 def _q_and_tables_bytes(s: Shape) -> int:
     return s.batch * s.n_head * s.head_dim * DTYPE_BYTES[s.dtype] + s.batch * (s.max_blocks + 1) * 4
+
+
+PREFILL_PROMPTS, PREFILL_BLOCK_M = 4, 64  # a prefill launch: 4 whole prompts of the model's context
+
+
+def _prefill_bytes(s: Shape) -> int:  # q and out of every prompt token, and K/V of every context read once
+    tokens = PREFILL_PROMPTS * s.n_ctx
+    return 4 * tokens * s.n_head * s.head_dim * DTYPE_BYTES[s.dtype] + PREFILL_PROMPTS * (s.max_blocks + 2) * 4
 
 
 KERNELS: dict[str, Kernel] = {
@@ -190,13 +200,39 @@ KERNELS: dict[str, Kernel] = {
         grid=lambda s: (s.batch, s.n_head),
         bytes_read=lambda s: s.batch * s.n_head * s.splits * (s.head_dim + 2) * 4,
     ),
+    # prefill attention (stage 09): a tile of BLOCK_M queries of one prompt against its whole paged context
+    "_prefill_attention_kernel": Kernel(
+        args=lambda s: dict(
+            out_ptr=ptr(s.dtype),
+            q_ptr=ptr(s.dtype),
+            k_cache_ptr=ptr(s.dtype),
+            v_cache_ptr=ptr(s.dtype),
+            block_tables_ptr=ptr("i32"),
+            query_start_loc_ptr=ptr("i32"),
+            seq_lens_ptr=ptr("i32"),
+            scale=f32(),
+            stride_qn=i32(3 * s.n_head * s.head_dim),  # q is a view into the fused c_attn output
+            stride_qh=i32(s.head_dim),
+            stride_on=i32(s.n_head * s.head_dim),
+            stride_oh=i32(s.head_dim),
+            stride_table=i32(s.max_blocks),
+            **_cache_strides(s),
+            BLOCK_SIZE=const(s.block_size),
+            HEAD_DIM=const(s.head_dim),
+            BLOCK_M=const(PREFILL_BLOCK_M),
+            BLOCK_N=const(max(16, min(s.block_size, 64))),  # as prefill_attention_triton picks them
+            DOT_PRECISION=const("tf32"),  # fp16 runs on the tensor cores
+        ),
+        grid=lambda s: (PREFILL_PROMPTS, s.n_head, triton.cdiv(s.n_ctx, PREFILL_BLOCK_M)),
+        bytes_read=_prefill_bytes,
+    ),
 }
 
 
 def launched_kernels() -> set[str]:
-    """The @triton.jit functions that triton_kernels.py launches (`name[grid](...)`)."""
-    source = Path(triton_kernels.__file__).read_text()
-    return set(re.findall(r"^\s+(_\w+)\[\(", source, flags=re.MULTILINE))
+    """The @triton.jit functions that roseinfer's kernel files launch (`name[grid](...)`)."""
+    source = "".join(Path(m.__file__).read_text() for m in MODULES)
+    return set(re.findall(r"^\s+(_\w+)\[(?:\(|grid\])", source, flags=re.MULTILINE))
 
 
 @dataclass
@@ -214,7 +250,7 @@ class Compiled:
 
 
 def compile_kernel(name: str, shape: Shape, target: str, ptx_dir: Path | None = None) -> Compiled:
-    fn = getattr(triton_kernels, name)
+    fn = next(getattr(m, name) for m in MODULES if hasattr(m, name))
     args = KERNELS[name].args(shape)
     assert list(args) == fn.arg_names, f"{name}: KERNELS lists {list(args)}, the kernel takes {fn.arg_names}"
     signature = {n: t for n, (t, _) in args.items()}
@@ -222,7 +258,7 @@ def compile_kernel(name: str, shape: Shape, target: str, ptx_dir: Path | None = 
     hints = {
         (i,): [["tt.divisibility", 16]]
         for i, (t, v) in enumerate(args.values())
-        if t.startswith("*") or (t == "i32" and v is not None and v % 16 == 0)
+        if t.startswith("*") or (t == "i32" and isinstance(v, int) and v % 16 == 0)
     }
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=hints)
     kernel = triton.compile(src, target=TARGETS[target])
@@ -324,9 +360,10 @@ def main() -> int:
           f"{' and '.join(TARGETS)}; fp16, block_size {args.block_size}, num_warps {results[0].num_warps}")  # fmt: skip
     print("regs = registers per thread, spill = local memory per thread in bytes, smem = shared memory per program;")
     print("each launch: a decode step of 64 sequences at the model's full context (write: their 64 new tokens),")
-    print("split-K with S = 4; MB = bytes it must read; µs = that read at the full HBM bandwidth")
-    head = f"{'kernel':<30} {'shape':<17} {'regs':>5} {'spill':>5} {'smem':>5}  {'widest load':<17} {'grid':<12}"
-    print(f"\n{'':<49}{'sm_80 / sm_90':^17}".rstrip())
+    print("split-K with S = 4, prefill: 4 whole prompts of the model's context in one launch;")
+    print("MB = bytes it must read; µs = that read at the full HBM bandwidth")
+    head = f"{'kernel':<30} {'shape':<17} {'regs':>7} {'spill':>5} {'smem':>11}  {'widest load':<17} {'grid':<12}"
+    print(f"\n{'':<49}{'sm_80 / sm_90':^25}".rstrip())
     print(f"{head} {'MB':>7} {'µs H100':>8} {'µs A100':>8}")
     for k in KERNELS:
         for s in shapes:
@@ -337,7 +374,7 @@ def main() -> int:
             nbytes = KERNELS[k].bytes_read(s)
             grid = "(" + ", ".join(map(str, KERNELS[k].grid(s))) + ")"
             us = [nbytes / bw * 1e6 for bw in BANDWIDTH.values()]
-            print(f"{k:<30} {s.name:<17} {two[0]:>5} {two[1]:>5} {two[2]:>5}  {load:<17} {grid:<12} "
+            print(f"{k:<30} {s.name:<17} {two[0]:>7} {two[1]:>5} {two[2]:>11}  {load:<17} {grid:<12} "
                   f"{nbytes / 1e6:>7.2f} {us[0]:>8.2f} {us[1]:>8.2f}")  # fmt: skip
 
     print("\ndecode attention roofline at gpt2-medium's shape (H 16, D 64, fp16, block 16), the shapes that")

@@ -29,8 +29,9 @@ def test_kv_cache_greedy_equals_naive_equals_hf(engine, naive_engine, hf_model):
 
 
 def test_prefill_and_decode_logits_equal_full_forward(engine):
-    """Cached decoding must give the logits of a full forward. (Stage 07: through the paged cache.)"""
-    from roseinfer.attention import AttentionMetadata
+    """Cached decoding must give the logits of a full forward. (Stage 07: through the paged cache;
+    stage 09: each step is one flattened `forward_paged`, and a prompt may arrive in chunks.)"""
+    from roseinfer.attention import TORCH_BACKEND, AttentionMetadata
     from roseinfer.block_manager import BlockSpaceManager
     from roseinfer.kv_cache import KVCache
 
@@ -39,22 +40,27 @@ def test_prefill_and_decode_logits_equal_full_forward(engine):
     T = len(ids)
     bm = BlockSpaceManager(block_size=8, num_blocks=16)
     pool = KVCache(model.config, 16, 8, torch.float32, torch.device("cpu")).layers
+
+    def feed(start: int, n: int) -> torch.Tensor:
+        """Tokens start .. start+n-1 as one step; returns their logits [n, V]."""
+        assert bm.allocate_slots("s", n)
+        pos, L = list(range(start, start + n)), start + n
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor([bm.slot("s", p) for p in pos]),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+            seq_lens=torch.tensor([L], dtype=torch.int32),
+            block_tables=torch.tensor([bm.get_block_table("s")], dtype=torch.int32),
+            num_decodes=int(n == 1), max_query_len=n, query_start_loc_cpu=[0, n], seq_lens_cpu=[L],
+            backend=TORCH_BACKEND,
+        )  # fmt: skip
+        return model.compute_logits(model.forward_paged(torch.tensor(ids[start:L]), torch.tensor(pos), pool, meta))
+
     with torch.no_grad():
-        full = model(torch.tensor([ids]))  # [1, T, V]
-        bm.allocate("s", T - 5)
-        slots = torch.tensor([bm.slot("s", p) for p in range(T - 5)])
-        logits = model(torch.tensor([ids[: T - 5]]), None, pool, AttentionMetadata(True, slots))
-        assert torch.allclose(logits, full[:, : T - 5], atol=1e-4)
-        for t in range(T - 5, T):
-            bm.append_slot("s")
-            meta = AttentionMetadata(
-                False,
-                torch.tensor([bm.slot("s", t)]),
-                torch.tensor([bm.get_block_table("s")], dtype=torch.int32),
-                torch.tensor([t + 1], dtype=torch.int32),
-            )
-            step_logits = model(torch.tensor([[ids[t]]]), torch.tensor([[t]]), pool, meta)[:, -1]
-            assert torch.allclose(step_logits, full[:, t], atol=1e-4), t
+        full = model(torch.tensor([ids]))[0]  # [T, V]
+        assert torch.allclose(feed(0, T - 8), full[: T - 8], atol=1e-4)  # a first chunk
+        assert torch.allclose(feed(T - 8, 3), full[T - 8 : T - 5], atol=1e-4)  # a chunk with context before it
+        for t in range(T - 5, T):  # then one token at a time
+            assert torch.allclose(feed(t, 1), full[t : t + 1], atol=1e-4), t
 
 
 def test_kv_cache_on_a_random_checkpoint_matches_naive(tmp_path):

@@ -93,7 +93,7 @@ def test_benchmark_runs_end_to_end_on_a_tiny_workload(bench, tmp_path):
     report = json.loads(out.read_text())
     assert set(report) >= {"device", "model", "workload", "engines"}
     wl = report["workload"]
-    assert set(report["engines"]) == {"roseinfer", "hf-generate", "hf-cb"}
+    assert set(report["engines"]) == {"roseinfer", "hf-generate", "hf-cb", "dense-limit"}  # dense-limit: stage 09
     for name, r in report["engines"].items():
         assert r["tokens_ok"] is True, name
         assert r["output_tokens"] == wl["total_output_tokens"] and r["requests"] == wl["num_requests"], name

@@ -9,7 +9,9 @@ from conftest import PROMPTS, hf_greedy
 from roseinfer import LLMEngine, SamplingParams
 from roseinfer.attention import paged_attention, write_kv
 from roseinfer.block_manager import BlockSpaceManager
-from roseinfer.engine import decode_metadata, prefill_metadata
+from roseinfer.kv_cache import KVCache
+from roseinfer.model_runner import ModelRunner
+from roseinfer.scheduler_output import SchedulerOutput
 from roseinfer.session import InferenceSession
 
 
@@ -54,39 +56,54 @@ def _session(rid, prompt_len, generated):
     return s
 
 
-def test_slot_mapping_and_block_tables_on_hand_made_cases():
+def test_slot_mapping_and_block_tables_on_hand_made_cases(engine):
+    """(Stage 09: the metadata is built by the model runner from a SchedulerOutput, for the whole step.)"""
     bm = BlockSpaceManager(block_size=4, num_blocks=16)
     bm.free_block_ids.clear()
     bm.free_block_ids.extend([9, 2, 14, 5, 7, 0, 3])  # hand out blocks in a known, scrambled order
+    runner = ModelRunner(engine.model, KVCache(engine.config, 16, 4, torch.float32, "cpu"), None, "cpu")
     a, b = _session("a", 6, 0), _session("b", 3, 0)
-    bm.allocate("a", 6)  # blocks 9, 2
-    bm.allocate("b", 3)  # block 14
-    assert prefill_metadata(a, bm, "cpu").slot_mapping.tolist() == [36, 37, 38, 39, 8, 9]
-    assert prefill_metadata(b, bm, "cpu").slot_mapping.tolist() == [56, 57, 58]
+
+    def meta_for(*sessions):
+        n = {s.request_id: s.num_tokens - s.num_computed_tokens for s in sessions}
+        for s in sessions:
+            assert bm.allocate_slots(s.request_id, n[s.request_id])
+        meta = runner.prepare_inputs(SchedulerOutput(list(sessions), n, bm.block_tables)).attn_metadata
+        for s in sessions:
+            s.num_computed_tokens = s.num_tokens
+        return meta
+
+    meta = meta_for(a, b)  # both prompts in one step: a gets blocks 9, 2 and b block 14
+    assert meta.slot_mapping.tolist() == [36, 37, 38, 39, 8, 9, 56, 57, 58]
+    assert meta.query_start_loc.tolist() == [0, 6, 9] and meta.seq_lens.tolist() == [6, 3]
     # one decode step each: a feeds its 7th token (position 6), b its 4th (position 3)
     a.output_ids, b.output_ids = [11], [12]
-    bm.append_slot("a")
-    bm.append_slot("b")
-    meta = decode_metadata([a, b], bm, "cpu")
+    meta = meta_for(a, b)
     assert meta.slot_mapping.tolist() == [2 * 4 + 2, 14 * 4 + 3]
-    assert meta.block_tables.tolist() == [[9, 2], [14, 0]]  # padded with 0, never read
-    assert meta.context_lens.tolist() == [7, 4]
+    assert meta.block_tables.tolist() == [[9, 2], [14, 0]]  # padded with 0, never read past seq_lens
+    assert meta.seq_lens.tolist() == [7, 4] and meta.num_decodes == 2
     # b's next token needs a new block: it gets 5
     b.output_ids.append(13)
-    bm.append_slot("b")
     a.output_ids.append(14)
-    bm.append_slot("a")
-    meta = decode_metadata([a, b], bm, "cpu")
+    meta = meta_for(b, a)  # decode rows are ordered longest context first: a, then b
     assert meta.block_tables.tolist() == [[9, 2], [14, 5]]
     assert meta.slot_mapping.tolist() == [2 * 4 + 3, 5 * 4 + 0]
-    assert meta.context_lens.tolist() == [8, 5]
-    assert meta.block_tables.dtype == meta.context_lens.dtype == torch.int32
+    assert meta.seq_lens.tolist() == [8, 5]
+    assert meta.block_tables.dtype == meta.seq_lens.dtype == torch.int32
+    # a new request c (5 tokens) arrives while a decodes: c gets blocks 7, 0 and a's 9th token block 3;
+    # in the batch the decode rows come first, then c's prompt
+    c = _session("c", 5, 0)
+    a.output_ids.append(15)
+    meta = meta_for(c, a)
+    assert meta.query_start_loc.tolist() == [0, 1, 6] and meta.num_decodes == 1
+    assert meta.slot_mapping.tolist() == [3 * 4 + 0, 28, 29, 30, 31, 0 * 4 + 0]
+    assert meta.block_tables.tolist() == [[9, 2, 3], [7, 0, 0]]
 
 
 def test_engine_greedy_equals_hf_and_the_uncached_path(engine, hf_model):
     eng = LLMEngine(device="cpu", dtype="float32", block_size=8)
     naive = LLMEngine(device="cpu", dtype="float32")
-    naive.engine.use_kv_cache = False
+    naive.model_runner.use_kv_cache = False
     greedy = SamplingParams(temperature=0, max_tokens=40)
     outs = {o.request_id: o.token_ids for o in eng.stream(PROMPTS, greedy) if o.finished}
     plain = {o.request_id: o.token_ids for o in naive.stream(PROMPTS, greedy) if o.finished}

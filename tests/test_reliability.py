@@ -190,10 +190,12 @@ request = st.tuples(
     reqs=st.lists(request, min_size=1, max_size=8),
     num_blocks=st.integers(11, 24),
     max_num_seqs=st.integers(1, 4),
+    budget=st.integers(1, 30),  # stage 09: tokens per step; small budgets cut prompts into chunks
 )
-def test_random_traffic_keeps_every_invariant(tiny_model, reqs, num_blocks, max_num_seqs):
+def test_random_traffic_keeps_every_invariant(tiny_model, reqs, num_blocks, max_num_seqs, budget):
     eng = LLMEngine(tiny_model, device="cpu", dtype="float32", block_size=4, num_blocks=num_blocks,
-                    max_num_seqs=max_num_seqs)  # fmt: skip
+                    max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)  # fmt: skip
+    eng.trace = []
     pending = [(gap, str(i), prompt, n, abort) for i, (gap, prompt, n, abort) in enumerate(reqs)]
     done, step, abort_at = {}, 0, {}
     while pending or eng.has_unfinished_requests():
@@ -212,6 +214,7 @@ def test_random_traffic_keeps_every_invariant(tiny_model, reqs, num_blocks, max_
                 if out.finished:
                     done[out.request_id] = out.token_ids
         assert len(eng.scheduler.running) <= max_num_seqs
+        assert not eng.trace or sum(eng.trace[-1]["num_scheduled_tokens"].values()) <= budget
         step += 1
     assert eng.block_manager.stats().used_blocks == 0, "KV blocks leaked"
     for _, rid, prompt, n, _ in [(0, str(i), p, n, a) for i, (_, p, n, a) in enumerate(reqs)]:

@@ -1,19 +1,25 @@
-"""Attention over the paged KV cache, with two backends.
+"""Attention over the paged KV cache, for a step's whole flattened batch, with three backends.
 
-Per forward pass the engine builds an `AttentionMetadata` (vLLM's names):
+Each step runs ONE forward over the new tokens of every scheduled request, flattened into N rows:
+decodes first (one token each), then prefill chunks (several tokens each). The model runner builds an
+`AttentionMetadata` for the step (vLLM's names):
 
-    slot_mapping  [N]              the physical slot each new token's K/V is written to:
-                                   slot = block_id * block_size + offset
-    block_tables  [B, max_blocks]  int32, row b = sequence b's physical blocks in logical order
-    context_lens  [B]              int32, tokens each sequence attends to (the new one included)
+    slot_mapping     [N]              the physical slot each new token's K/V go to:
+                                      slot = block_id * block_size + offset
+    query_start_loc  [B + 1] int32    request b's new tokens are rows query_start_loc[b] .. [b + 1] - 1
+    seq_lens         [B] int32        tokens request b attends to after this step (earlier + new)
+    block_tables     [B, max_blocks]  int32, row b = request b's physical blocks in logical order
 
-A backend provides two operations:
-    write_kv(key, value, k_cache, v_cache, slot_mapping)            scatter new K/V into the pool
-    paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale) -> out   decode attention
+A backend provides two operations, and may prepare per-step work that every layer reuses:
+    write_kv(key, value, k_cache, v_cache, slot_mapping)           scatter new K/V into the pool
+    forward(q, key, value, k_cache, v_cache, meta, scale) -> out   attention for the whole batch
+    prepare(meta, block_size) -> plan                              once per step, before the forward
 
-    torch   `reference.py`: gather by block table + masked softmax. CPU and CUDA; the oracle.
-    triton  `triton_kernels.py`: our kernels (stage 08). CUDA, or CPU under TRITON_INTERPRET=1.
-    auto    triton on CUDA, torch on CPU.
+    torch   `reference.py`: one request at a time, gather + masked softmax in fp32. The oracle.
+    sdpa    `sdpa.py`: a flat KV write, block gathers + PyTorch's fused SDPA. The fast path on CPU.
+    triton  `triton_kernels.py` (decode) + `triton_prefill.py` (prefill chunks). CUDA, or CPU under
+            TRITON_INTERPRET=1.
+    auto    triton on CUDA, sdpa on CPU.
 """
 
 from __future__ import annotations
@@ -21,34 +27,50 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from roseinfer.attention.reference import paged_attention_reference, write_kv_reference
+from roseinfer.attention.reference import attention_reference, paged_attention_reference, write_kv_reference
+from roseinfer.attention.sdpa import GatherBuffer, attention_sdpa, plan_sdpa, write_kv_flat
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "TORCH_BACKEND", "get_backend", "paged_attention", "write_kv"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "GatherBuffer",
+    "TORCH_BACKEND",
+    "get_backend",
+    "paged_attention",
+    "write_kv",
+]
 
 
 @dataclass(frozen=True)
 class AttentionBackend:
     name: str
     write_kv: Callable[..., None]
-    paged_attention: Callable[..., torch.Tensor]
+    forward: Callable[..., torch.Tensor]
+    prepare: Callable[[AttentionMetadata, int], Any] | None = None  # once per step: (meta, block_size) -> plan
 
 
-TORCH_BACKEND = AttentionBackend("torch", write_kv_reference, paged_attention_reference)
+def _reference_forward(q, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    return attention_reference(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale)
+
+
+TORCH_BACKEND = AttentionBackend("torch", write_kv_reference, _reference_forward)
+SDPA_BACKEND = AttentionBackend("sdpa", write_kv_flat, attention_sdpa, plan_sdpa)
 write_kv, paged_attention = write_kv_reference, paged_attention_reference  # the reference, by name
 
 
 def get_backend(name: str, device: torch.device) -> AttentionBackend:
-    """Resolve 'auto' | 'torch' | 'triton' for a device; a backend that cannot run there is a clear error."""
+    """Resolve 'auto' | 'torch' | 'sdpa' | 'triton' for a device; a backend that cannot run there is a clear error."""
     device = torch.device(device)
     if name == "auto":
-        name = "triton" if device.type == "cuda" and _triton_importable() else "torch"
-    if name == "torch":
-        return TORCH_BACKEND
+        name = "triton" if device.type == "cuda" and _triton_importable() else "sdpa"
+    if name in ("torch", "sdpa"):
+        return TORCH_BACKEND if name == "torch" else SDPA_BACKEND
     if name != "triton":
-        raise ValueError(f"unknown attention_backend {name!r}; use 'auto', 'torch' or 'triton'")
+        raise ValueError(f"unknown attention_backend {name!r}; use 'auto', 'torch', 'sdpa' or 'triton'")
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             "attention_backend='triton' needs a CUDA GPU; on CPU, Triton kernels only run in its "
@@ -57,8 +79,13 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend:
     if not _triton_importable():
         raise ValueError("attention_backend='triton' needs the triton package (pip install triton==3.7.1)")
     from roseinfer.attention import triton_kernels as tk
+    from roseinfer.attention import triton_prefill as tp
 
-    return AttentionBackend("triton", tk.write_kv_triton, tk.paged_attention_auto)
+    def forward(q, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return tp.attention_triton(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                                   meta.num_decodes, meta.max_query_len, scale)  # fmt: skip
+
+    return AttentionBackend("triton", tk.write_kv_triton, forward)
 
 
 def _triton_importable() -> bool:
@@ -71,8 +98,16 @@ def _triton_importable() -> bool:
 
 @dataclass
 class AttentionMetadata:
-    is_prefill: bool  # prefill: one prompt, B = 1, T = its length; decode: B sequences, T = 1
-    slot_mapping: torch.Tensor  # [B * T] int64
-    block_tables: torch.Tensor | None = None  # [B, max_blocks] int32 (decode)
-    context_lens: torch.Tensor | None = None  # [B] int32 (decode)
+    """One step's batch, as attention sees it (see the module docstring for the tensors)."""
+
+    slot_mapping: torch.Tensor  # [N] int64
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    num_decodes: int  # requests 0 .. num_decodes-1 have exactly one new token (rows 0 .. num_decodes-1)
+    max_query_len: int  # host ints, known without a device sync: grid sizes, loops on the CPU
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
     backend: AttentionBackend = TORCH_BACKEND
+    gather_buffer: GatherBuffer | None = None  # the model runner's scratch for the sdpa backend's gathers
+    plan: Any = None  # what `backend.prepare` worked out for this step, reused by every layer

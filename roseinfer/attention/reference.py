@@ -66,3 +66,37 @@ def paged_attention_reference(
     mask = valid[:, None, None, :]  # [B, 1, 1, L]: one query per sequence, attending to its own tokens
     out = F.scaled_dot_product_attention(q.float()[:, :, None, :], k, v, attn_mask=mask, scale=scale)  # [B, H, 1, D]
     return out[:, :, 0].to(q.dtype)
+
+
+def attention_reference(
+    q: torch.Tensor,  # [N, H, D] the new tokens' queries, request after request
+    k_cache: torch.Tensor,  # [num_blocks, block_size, H, D], the new tokens' K already written
+    v_cache: torch.Tensor,  # [num_blocks, block_size, H, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int, physical block of each logical block
+    query_start_loc: torch.Tensor,  # [B + 1] int, request b's queries: q[query_start_loc[b] : query_start_loc[b + 1]]
+    seq_lens: torch.Tensor,  # [B] int, tokens in each request's context after this step (earlier + new)
+    scale: float,
+) -> torch.Tensor:  # [N, H, D], dtype of q
+    """Attention for a mixed batch (decodes and prefill chunks) over the paged cache, one request at a time.
+
+    Request b has q_len = query_start_loc[b + 1] - query_start_loc[b] new tokens, the LAST q_len of its
+    seq_lens[b] tokens: query i sits at position seq_len - q_len + i and may look at keys 0 .. that position.
+    A decode is q_len = 1; a first prefill chunk is q_len = seq_len; a later chunk has context before it.
+    """
+    N, H, D = q.shape
+    block_size = k_cache.shape[1]
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    out = torch.empty_like(q)
+    for b, seq_len in enumerate(lens):
+        q_b = q[starts[b] : starts[b + 1]].float()  # [T, H, D]
+        T = q_b.shape[0]
+        pos = torch.arange(seq_len, device=q.device)  # [L] every position of the context
+        slots = block_tables[b, pos // block_size].long() * block_size + pos % block_size  # [L]
+        k = k_cache.reshape(-1, H, D)[slots].float()  # [L, H, D], only this request's real tokens
+        v = v_cache.reshape(-1, H, D)[slots].float()
+        q_pos = torch.arange(seq_len - T, seq_len, device=q.device)  # [T] positions of the queries
+        causal = pos[None, :] <= q_pos[:, None]  # [T, L]
+        scores = torch.einsum("thd,lhd->htl", q_b, k) * scale  # [H, T, L]
+        scores = scores.masked_fill(~causal, float("-inf"))
+        out[starts[b] : starts[b + 1]] = torch.einsum("htl,lhd->thd", scores.softmax(dim=-1), v).to(q.dtype)
+    return out

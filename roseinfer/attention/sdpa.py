@@ -1,0 +1,197 @@
+"""The fast CPU path: PyTorch's fused `scaled_dot_product_attention` on the paged cache.
+
+The reference (`reference.py`) is written to be obviously right; on a CPU it is slow because it
+copies: every layer of every step gathers each sequence token by token, upcasts to fp32 and masks
+with full-size `torch.where` passes, and its KV write splits slots into (block, offset) pairs for a
+two-index scatter. This path does the same math with as few copies as possible:
+
+  KV write                                   one index_copy_ into the pool's flat [slots, H, D] view
+
+  decodes (one query each), a few runs of similar length at once:
+      k_cache.index_select(0, block ids)     one copy per *block* (16 slots of [H, D] in a row),
+      -> [B, max_blocks * block_size, H, D]  in logical order, viewed as [B, H, L, D] (no copy)
+      SDPA with a boolean mask [B, 1, 1, L]  positions >= seq_len switched off inside the kernel
+  prefill chunks, one request at a time:
+      a first chunk (no context yet)         attends to its own fresh K/V: SDPA is_causal, no gather
+      a later chunk                          gathers its blocks once, SDPA with an offset causal mask
+
+Masked slots are never zeroed, so they must hold finite numbers (0 * NaN is NaN even at weight 0).
+They do: the pool starts as zeros and only ever receives K/V vectors. The reference tolerates NaN
+garbage; this path relies on that invariant instead of paying for it every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from roseinfer.attention import AttentionMetadata
+
+
+class GatherBuffer:
+    """Reusable scratch for the gathered K and V blocks, shared by every layer and every step.
+
+    A decode step gathers megabytes of K/V per layer. Asking for a fresh tensor each time makes the
+    allocator hand back fresh pages, and the kernel zero-fills each page on first touch: on a CPU
+    that costs as much as the copy itself. So the model runner owns one buffer pair, grown when a
+    step needs more, and `index_select(..., out=)` writes into it.
+    """
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None  # [capacity, block_size, H, D]
+        self.v: torch.Tensor | None = None
+
+    def get(self, num_blocks: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the first `num_blocks` blocks, [num_blocks, block_size, H, D] each, like `like`'s blocks."""
+        if self.k is None or self.k.shape[0] < num_blocks or self.k.shape[1:] != like.shape[1:]:
+            capacity = max(num_blocks, 2 * self.k.shape[0] if self.k is not None else 0)
+            self.k = like.new_empty((capacity, *like.shape[1:]))
+            self.v = like.new_empty((capacity, *like.shape[1:]))
+        return self.k[:num_blocks], self.v[:num_blocks]
+
+
+def write_kv_flat(
+    key: torch.Tensor,  # [N, H, D] K of the N new tokens
+    value: torch.Tensor,  # [N, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, H, D], written in place
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [N] int64, every slot real (this engine never pads)
+) -> None:
+    """Scatter new K/V into the pool: one `index_copy_` per tensor into its flat view
+    [num_blocks * block_size, H, D], where row `slot` is exactly that slot."""
+    H, D = key.shape[1:]
+    k_cache.view(-1, H, D).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, H, D).index_copy_(0, slot_mapping, value)
+
+
+@dataclass
+class DecodeRun:
+    """Decode rows a .. b-1, attended in one call, each padded to `width` blocks."""
+
+    a: int
+    b: int
+    blocks: torch.Tensor  # [(b - a) * width] int64: every row's first `width` table entries, flattened
+    real: torch.Tensor  # [b - a, 1, 1, width * block_size] bool: True where a row has a token
+
+
+@dataclass
+class PrefillChunk:
+    """One request's prompt chunk: query rows s .. e-1, at the end of its seq_len tokens."""
+
+    s: int
+    e: int
+    seq_len: int
+    blocks: torch.Tensor | None  # [ceil(seq_len / block_size)] int64; None for a first chunk (no gather)
+    causal: torch.Tensor | None  # [e - s, seq_len] bool: query at position p sees keys 0 .. p
+
+
+@dataclass
+class SdpaPlan:
+    """What every layer of one step needs, worked out once per step by `plan_sdpa` (the model runner
+    calls it through the backend's `prepare`), instead of once per layer."""
+
+    decode_runs: list[DecodeRun]
+    chunks: list[PrefillChunk]
+
+
+def plan_sdpa(meta: AttentionMetadata, block_size: int) -> SdpaPlan:
+    """The decode runs with their block ids and masks, and each prefill chunk's blocks and causal mask."""
+    dev = meta.block_tables.device
+    starts, lens, d = meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.num_decodes
+    runs = []
+    for a, b, width in decode_runs(lens[:d], block_size):
+        pos = torch.arange(width * block_size, device=dev)
+        real = pos[None, :] < meta.seq_lens[a:b, None]  # [rows, L]
+        runs.append(DecodeRun(a, b, meta.block_tables[a:b, :width].reshape(-1).long(), real[:, None, None, :]))
+    chunks = []
+    for i in range(d, len(lens)):
+        s, e, L = starts[i], starts[i + 1], lens[i]
+        if e - s == L:  # a first chunk: the context is exactly the new tokens
+            chunks.append(PrefillChunk(s, e, L, None, None))
+        else:  # a later chunk: earlier tokens are only in the pool
+            pos = torch.arange(L, device=dev)
+            causal = pos[None, :] <= pos[L - (e - s) :, None]  # [T, L]
+            chunks.append(PrefillChunk(s, e, L, meta.block_tables[i, : -(-L // block_size)].long(), causal))
+    return SdpaPlan(runs, chunks)
+
+
+def _attend_run(q, k_cache, v_cache, run: DecodeRun, scale: float, buffer: GatherBuffer | None) -> torch.Tensor:
+    """q [rows, H, D] -> [rows, H, D]: one block-granular gather of K and of V, then one fused SDPA call."""
+    B, H, D = q.shape
+    L = run.real.shape[-1]  # padded context: every row is `width` blocks long
+    k_blocks, v_blocks = (buffer or GatherBuffer()).get(len(run.blocks), k_cache)  # [rows * width, bs, H, D]
+    torch.index_select(k_cache, 0, run.blocks, out=k_blocks)  # block by block, in logical order
+    torch.index_select(v_cache, 0, run.blocks, out=v_blocks)
+    k = k_blocks.view(B, L, H, D).transpose(1, 2)  # [B, H, L, D], a view
+    v = v_blocks.view(B, L, H, D).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=run.real, scale=scale)  # [B, H, 1, D]
+    return out[:, :, 0]
+
+
+def paged_decode_sdpa(
+    q: torch.Tensor,  # [B, H, D] one query per sequence
+    k_cache: torch.Tensor,  # [num_blocks, block_size, H, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, H, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int, padded with a real block id (0)
+    seq_lens: torch.Tensor,  # [B] int, tokens each sequence attends to
+    scale: float,
+) -> torch.Tensor:  # [B, H, D]
+    """Decode attention for a batch in one call (stage 08's `paged_attention` signature)."""
+    L = block_tables.shape[1] * k_cache.shape[1]
+    real = torch.arange(L, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
+    run = DecodeRun(0, len(q), block_tables.reshape(-1).long(), real[:, None, None, :])
+    return _attend_run(q, k_cache, v_cache, run, scale, None)
+
+
+SPLIT_COST_BLOCKS = 16  # one more gather + SDPA call costs about as much as copying this many padding blocks
+
+
+def decode_runs(seq_lens: list[int], block_size: int) -> list[tuple[int, int, int]]:
+    """Cut decode rows, sorted longest first, into runs (first row, end row, blocks per row).
+
+    One call pads every row to the longest, so a batch of 250- and 20-token sequences gathers and
+    attends to ~12 blocks of padding per short row. A new run starts at a row that needs at most 3/4
+    of the run's blocks, if the rows left would save more padding than one more call costs:
+
+        blocks per row  16 16 15 14 | 8 8 7 7 7 6 | 2 2 1 1 1 1     three calls instead of one
+    """
+    blocks = [-(-n // block_size) for n in seq_lens]
+    if not blocks:
+        return []
+    cuts = [0]
+    for i in range(1, len(blocks)):
+        top = blocks[cuts[-1]]  # the run's longest row
+        if 4 * blocks[i] <= 3 * top and (top - blocks[i]) * (len(blocks) - i) > SPLIT_COST_BLOCKS:
+            cuts.append(i)
+    ends = [*cuts[1:], len(blocks)]
+    return [(a, b, max(blocks[a:b])) for a, b in zip(cuts, ends, strict=True)]  # max: right even if unsorted
+
+
+def attention_sdpa(
+    q: torch.Tensor,  # [N, H, D] this step's queries, decodes first
+    key: torch.Tensor,  # [N, H, D] this step's keys (already written into the pool too)
+    value: torch.Tensor,  # [N, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, H, D]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [N, H, D]
+    """A mixed batch: the decodes in a few calls (runs of similar length), then each prefill chunk on its own."""
+    plan = meta.plan if isinstance(meta.plan, SdpaPlan) else plan_sdpa(meta, k_cache.shape[1])
+    out = torch.empty_like(q)
+    for run in plan.decode_runs:
+        out[run.a : run.b] = _attend_run(q[run.a : run.b], k_cache, v_cache, run, scale, meta.gather_buffer)
+    for c in plan.chunks:
+        q_c = q[c.s : c.e].transpose(0, 1)  # [H, T, D]
+        if c.blocks is None:  # a first chunk: its own fresh K/V, plain causal attention
+            k_c, v_c = key[c.s : c.e].transpose(0, 1), value[c.s : c.e].transpose(0, 1)  # [H, T, D]
+        else:  # a later chunk: its whole context, gathered from the pool
+            k_c = k_cache.index_select(0, c.blocks).flatten(0, 1)[: c.seq_len].transpose(0, 1)  # [H, L, D]
+            v_c = v_cache.index_select(0, c.blocks).flatten(0, 1)[: c.seq_len].transpose(0, 1)
+        y = F.scaled_dot_product_attention(q_c, k_c, v_c, attn_mask=c.causal, is_causal=c.causal is None, scale=scale)
+        out[c.s : c.e] = y.transpose(0, 1)  # [T, H, D]
+    return out

@@ -1,0 +1,124 @@
+"""The model runner: one SchedulerOutput in, ONE forward pass, the sampled tokens out.
+
+Every request's new tokens this step are laid end to end, decodes first, as one flat batch
+(no padding, no [B, T] rectangle):
+
+    request      A (decode)  B (decode)  C (prompt chunk: tokens 32..79 of 100)
+    input_ids    a37         b15         c32 c33 ... c79                       [N] = [50]
+    positions    37          15          32  33  ... 79                        [N]
+    slot_mapping A's slot    B's slot    C's slots for positions 32..79        [N]
+    query_start_loc  [0, 1, 2, 50]       request b's rows: query_start_loc[b] .. [b + 1] - 1
+    seq_lens         [38, 16, 80]        tokens each request attends to after this step
+    block_tables     [B, max_blocks]     one row per request, padded with 0
+
+Every linear layer, LayerNorm and MLP runs once over all N rows; only attention looks at the
+requests separately (through `AttentionMetadata`). The LM head runs only on the rows that need a
+next token: the last new token of each request that reaches the end of its sequence (A, B here;
+not C, whose prompt goes on next step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from roseinfer.attention import AttentionBackend, AttentionMetadata, GatherBuffer
+from roseinfer.kv_cache import KVCache
+from roseinfer.model import GPT2
+from roseinfer.sampling import sample
+from roseinfer.scheduler_output import SchedulerOutput
+from roseinfer.session import InferenceSession
+
+
+@dataclass
+class ModelInput:
+    """The tensors of one step, built by `ModelRunner.prepare_inputs`."""
+
+    input_ids: torch.Tensor  # [N] token ids
+    positions: torch.Tensor  # [N] their positions in their sequences
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] the row of each sampling request's last new token
+    sampling: list[InferenceSession]  # the S requests that get a next token, in logits_indices order
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: GPT2,
+        kv_cache: KVCache,
+        backend: AttentionBackend,
+        device: torch.device,
+        use_kv_cache: bool = True,
+    ):
+        self.model, self.kv_cache, self.backend, self.device = model, kv_cache, backend, device
+        self.block_size = kv_cache.block_size
+        self.use_kv_cache = use_kv_cache  # False: the naive stage-01 loop (whole sequence, no cache)
+        self.gather_buffer = GatherBuffer()  # scratch reused by every step (see roseinfer/attention/sdpa.py)
+
+    def prepare_inputs(self, sched: SchedulerOutput) -> ModelInput:
+        """Flatten the scheduled requests into one batch, decodes first (see the module docstring)."""
+        n_new = sched.num_scheduled_tokens
+        # decodes first, longest context first (attention backends may batch runs of similar length), then chunks
+        reqs = sorted(sched.scheduled, key=lambda r: (n_new[r.request_id] > 1, -r.num_computed_tokens))
+        counts = [n_new[r.request_id] for r in reqs]  # [B] new tokens per request
+        starts = [r.num_computed_tokens for r in reqs]  # [B] position of each request's first new token
+        seq_lens = [s + n for s, n in zip(starts, counts, strict=True)]
+        query_start_loc = [0]
+        for n in counts:
+            query_start_loc.append(query_start_loc[-1] + n)
+        token_ids = []
+        for r, s, n in zip(reqs, starts, counts, strict=True):
+            token_ids += r.token_ids(s, s + n)
+        tables = [sched.block_tables[r.request_id] for r in reqs]
+        width = max(map(len, tables))
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)  # [B, W]
+
+        # Per token: which request it belongs to, then its position and slot, without a Python loop.
+        req_of_token = torch.repeat_interleave(torch.arange(len(reqs)), torch.tensor(counts))  # [N]
+        first_row = torch.tensor(query_start_loc[:-1])[req_of_token]  # [N] row of the request's first token
+        positions = torch.arange(len(token_ids)) - first_row + torch.tensor(starts)[req_of_token]  # [N]
+        blocks = block_tables[req_of_token, positions // self.block_size].long()  # [N] physical block
+        slot_mapping = blocks * self.block_size + positions % self.block_size  # [N]
+
+        sampling = [i for i, r in enumerate(reqs) if seq_lens[i] == r.num_tokens]  # reaches the end: sample
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping.to(dev),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=block_tables.to(dev),
+            num_decodes=sum(n == 1 for n in counts),
+            max_query_len=max(counts),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+            backend=self.backend,
+            gather_buffer=self.gather_buffer,
+        )
+        if self.backend is not None and self.backend.prepare is not None:
+            meta.plan = self.backend.prepare(meta, self.block_size)  # once per step, for every layer
+        return ModelInput(
+            input_ids=torch.tensor(token_ids, device=dev),
+            positions=positions.to(dev),
+            attn_metadata=meta,
+            logits_indices=torch.tensor([query_start_loc[i + 1] - 1 for i in sampling], dtype=torch.long, device=dev),
+            sampling=[reqs[i] for i in sampling],
+        )
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> dict[str, int]:
+        """Run one step; return {request id: sampled token} for the requests that reached their end.
+        The caller (the scheduler) then advances every request's num_computed_tokens."""
+        if not sched.scheduled:
+            return {}
+        inp = self.prepare_inputs(sched)
+        if self.use_kv_cache:
+            hidden = self.model.forward_paged(inp.input_ids, inp.positions, self.kv_cache.layers, inp.attn_metadata)
+            logits = self.model.compute_logits(hidden[inp.logits_indices])  # [S, V]: only the rows that sample
+        else:  # the naive loop: each sampling request's whole sequence again, for its last logits
+            if not inp.sampling:
+                return {}
+            seqs = [torch.tensor([r.token_ids(0, r.num_tokens)], device=self.device) for r in inp.sampling]
+            logits = torch.cat([self.model(ids)[:, -1] for ids in seqs])  # [S, V]
+        next_ids = sample(logits, [r.params for r in inp.sampling], [r.generator for r in inp.sampling]).tolist()
+        return {r.request_id: t for r, t in zip(inp.sampling, next_ids, strict=True)}
