@@ -17,14 +17,23 @@ own pool with the same ids.
 Stage 04 only kept the books. From stage 07 the manager also owns the memory: its
 `kv_cache` is the preallocated pool (see `roseinfer/kv_cache.py`), and `slot()` turns
 (sequence, position) into the pool slot that holds that token's K/V.
+
+Stage 10 (prefix caching): a block may be in several tables at once. The physical blocks, their
+reference counts, hashes and the LRU free queue live in `roseinfer/block_pool.py`; this class keeps
+the tables and decides, per sequence, which blocks to share, take, register and give back.
+
+    seq A "You are a poet. Write about the sea"   table [7, 2, 9]     block 7 ref 2, block 2 ref 2
+    seq B "You are a poet. Write about a rose"    table [7, 2, 4]     (the first 32 tokens are equal)
 """
 
 from __future__ import annotations
 
 import enum
-from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from roseinfer.block_pool import BlockPool, FreeBlockQueue
 
 if TYPE_CHECKING:
     from roseinfer.kv_cache import KVCache
@@ -76,8 +85,10 @@ class BlockSpaceManager:
         *,
         kv_cache_memory: int | None = None,
         bytes_per_token: int | None = None,
+        enable_prefix_caching: bool = False,
     ):
-        """Give `num_blocks`, or a memory budget: `kv_cache_memory` bytes / (bytes_per_token · block_size)."""
+        """Give `num_blocks`, or a memory budget: `kv_cache_memory` bytes / (bytes_per_token · block_size).
+        `enable_prefix_caching`: full computed blocks can be shared by later prompts that start alike."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if num_blocks is None:
@@ -88,10 +99,20 @@ class BlockSpaceManager:
             raise ValueError(f"the KV cache pool must hold at least one block, got num_blocks={num_blocks}")
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.block_tables: dict[str, list[int]] = {}  # seq id -> physical block ids
         self.num_tokens: dict[str, int] = {}  # seq id -> token slots in use
+        self.num_hashed_blocks: dict[str, int] = {}  # seq id -> its first blocks offered to the prefix cache
         self.kv_cache: KVCache | None = None  # the pool these ids index (stage 07), set by the engine
+
+    @property
+    def free_block_ids(self) -> FreeBlockQueue:
+        """Free blocks, least recently freed first (stage 10: some still hold a cached prefix)."""
+        return self.pool.free
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.pool.enable_caching
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)  # ceil
@@ -110,7 +131,7 @@ class BlockSpaceManager:
         need = self.blocks_for(num_prompt_tokens)
         if need > len(self.free_block_ids):
             raise NoFreeBlocksError(f"need {need} blocks, {len(self.free_block_ids)} free")
-        self.block_tables[seq_id] = [self.free_block_ids.popleft() for _ in range(need)]
+        self.block_tables[seq_id] = [self.pool.get_free_block() for _ in range(need)]
         self.num_tokens[seq_id] = num_prompt_tokens
         return self.block_tables[seq_id]
 
@@ -125,31 +146,58 @@ class BlockSpaceManager:
         if self.num_tokens[seq_id] % self.block_size == 0:  # last block full (or none yet)
             if not self.free_block_ids:
                 raise NoFreeBlocksError(f"no free block for sequence {seq_id!r}")
-            new_block = self.free_block_ids.popleft()
+            new_block = self.pool.get_free_block()
             self.block_tables[seq_id].append(new_block)
         self.num_tokens[seq_id] += 1
         return new_block
 
-    def allocate_slots(self, seq_id: str, num_new_tokens: int) -> bool:
+    def find_cached_blocks(self, block_hashes: Sequence[bytes], num_tokens: int) -> list[int]:
+        """Stage 10: the longest run of a prompt's first full blocks that the prefix cache holds.
+
+        At most (num_tokens - 1) // block_size blocks: at least one token must still be computed, since
+        sampling needs the last token's logits; and a prompt that is exactly k blocks long shares k - 1
+        and recomputes the last block in a block of its own (never writing into a shared one)."""
+        return self.pool.lookup(block_hashes[: (num_tokens - 1) // self.block_size])
+
+    def allocate_slots(
+        self, seq_id: str, num_new_tokens: int, block_hashes: Sequence[bytes] = (), cached_blocks: Sequence[int] = ()
+    ) -> bool:
         """Make room for `num_new_tokens` more tokens (stage 09: a decode token or a prompt chunk),
-        taking whole blocks as needed; a sequence seen for the first time gets a new table.
+        taking whole blocks as needed; a sequence seen for the first time gets a new table, which
+        starts with `cached_blocks` (stage 10: a prefix-cache hit, shared, its tokens counted as in use).
 
         All or nothing: if the free blocks do not cover the growth, nothing is taken and the answer
-        is False (the scheduler then preempts someone, or waits)."""
-        have = self.num_tokens.get(seq_id, 0)
-        need = self.blocks_for(have + num_new_tokens) - len(self.block_tables.get(seq_id, ()))
-        if need > len(self.free_block_ids):
+        is False (the scheduler then preempts someone, or waits). `block_hashes` are the sequence's
+        full-block hashes: blocks that are full once this step has run are offered to the cache."""
+        table = self.block_tables.get(seq_id)
+        if table is not None and cached_blocks:
+            raise ValueError(f"sequence {seq_id!r} already has blocks: a cached prefix is shared only at admission")
+        have = self.num_tokens[seq_id] if table is not None else len(cached_blocks) * self.block_size
+        held = len(table) if table is not None else len(cached_blocks)
+        need = self.blocks_for(have + num_new_tokens) - held
+        reviving = sum(self.pool.ref_count[b] == 0 for b in cached_blocks)  # free cached blocks leave the queue
+        if need + reviving > len(self.pool.free):
             return False
-        table = self.block_tables.setdefault(seq_id, [])
-        table.extend(self.free_block_ids.popleft() for _ in range(need))
+        if table is None:
+            for block in cached_blocks:  # first, so that taking new blocks cannot evict them
+                self.pool.touch(block)
+            table = self.block_tables[seq_id] = list(cached_blocks)
+            self.num_hashed_blocks[seq_id] = len(cached_blocks)
+        table.extend(self.pool.get_free_block() for _ in range(need))
         self.num_tokens[seq_id] = have + num_new_tokens
+        full = min(self.num_tokens[seq_id] // self.block_size, len(block_hashes))  # full after this step's forward
+        for i in range(self.num_hashed_blocks[seq_id], full):
+            self.pool.cache_block(table[i], block_hashes[i])
+        self.num_hashed_blocks[seq_id] = max(full, self.num_hashed_blocks[seq_id])
         return True
 
     def free(self, seq_id: str) -> None:
-        """Give a finished (or failed) sequence's blocks back. Unknown ids are ignored."""
-        for block in self.block_tables.pop(seq_id, []):
-            self.free_block_ids.append(block)
+        """Give a finished (or failed, or preempted) sequence's blocks back. Unknown ids are ignored.
+        Shared blocks only lose a reference; the tail goes first, so it is the first to be reused."""
+        for block in reversed(self.block_tables.pop(seq_id, [])):
+            self.pool.free_block(block)
         self.num_tokens.pop(seq_id, None)
+        self.num_hashed_blocks.pop(seq_id, None)
 
     def slot(self, seq_id: str, position: int) -> int:
         """The pool slot of token `position` of a sequence: block_id * block_size + offset."""
@@ -166,12 +214,20 @@ class BlockSpaceManager:
 
     def stats(self) -> BlockStats:
         used = self.num_blocks - len(self.free_block_ids)
-        return BlockStats(self.num_blocks, used, sum(self.num_tokens.values()), self.block_size)
+        filled: dict[int, int] = {}  # physical block -> tokens in it (a shared block counts once)
+        for seq_id, table in self.block_tables.items():
+            for block, n in zip(table, self.fill_levels(seq_id), strict=True):
+                filled[block] = max(filled.get(block, 0), n)
+        return BlockStats(self.num_blocks, used, sum(filled.values()), self.block_size)
 
     def snapshot(self) -> dict:
         """A copy of the books, for traces and pictures."""
+        in_use = {b for t in self.block_tables.values() for b in t}
         return {
             "block_tables": {s: list(t) for s, t in self.block_tables.items()},
             "num_tokens": dict(self.num_tokens),
             "stats": self.stats(),
+            "ref_counts": {b: self.pool.ref_count[b] for b in sorted(in_use)},  # stage 10
+            "free_queue": list(self.pool.free),  # least recently freed first
+            "cached_blocks": sorted(self.pool.cached.values()),  # blocks findable by their prefix's hash
         }

@@ -81,12 +81,12 @@ class InferenceEngine:
         """K and V, every layer: 2 · n_layer · n_embd · bytes per element."""
         return 2 * self.config.n_layer * self.config.n_embd * self.dtype.itemsize
 
-    def make_block_manager(self) -> BlockSpaceManager:
+    def make_block_manager(self, enable_prefix_caching: bool = False) -> BlockSpaceManager:
         """A block manager for a KV pool of `num_blocks`; else of `kv_cache_memory` bytes; else, on
         CUDA, of what fits in `gpu_memory_utilization` of the card; else 256 MiB."""
-        return BlockSpaceManager(
-            self.block_size, self.num_blocks, kv_cache_memory=self._kv_budget(), bytes_per_token=self.kv_bytes_per_token
-        )
+        return BlockSpaceManager(self.block_size, self.num_blocks, kv_cache_memory=self._kv_budget(),
+                                 bytes_per_token=self.kv_bytes_per_token,
+                                 enable_prefix_caching=enable_prefix_caching)  # fmt: skip
 
     def _kv_budget(self) -> int:
         if self.kv_cache_memory:

@@ -38,17 +38,19 @@ class LLM:
         attention_backend: str = "auto",
         max_num_batched_tokens: int | None = None,
         enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
     ):
         """`block_size`, `num_blocks` / `kv_cache_memory` (bytes; CPU default 256 MiB) /
         `gpu_memory_utilization` (CUDA) size the KV pool; `max_num_seqs` caps how many
         requests run together and `max_num_batched_tokens` how many tokens one step computes
-        (default 2048), with long prompts cut into chunks if `enable_chunked_prefill`.
+        (default 2048), with long prompts cut into chunks if `enable_chunked_prefill`; with
+        `enable_prefix_caching` prompts that start alike share the K/V blocks of that start.
         `attention_backend`: 'auto' (triton on CUDA, sdpa on CPU), 'torch', 'sdpa' or 'triton'."""
         self.llm_engine = LLMEngine(
             model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization,
             attention_backend=attention_backend, max_num_batched_tokens=max_num_batched_tokens,
-            enable_chunked_prefill=enable_chunked_prefill,
+            enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching,
         )  # fmt: skip
         self.engine = self.llm_engine.engine
         self.tokenizer = self.llm_engine.tokenizer

@@ -47,20 +47,23 @@ class LLMEngine:
         attention_backend: str = "auto",
         max_num_batched_tokens: int | None = None,
         enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
     ):
         """`max_num_batched_tokens`: tokens one step may compute (default 2048, or the model's context
         if larger and chunked prefill is off); `enable_chunked_prefill`: cut long prompts into chunks
-        that fit the budget, so running requests keep decoding while a long prompt is prefilled."""
+        that fit the budget, so running requests keep decoding while a long prompt is prefilled;
+        `enable_prefix_caching`: requests whose prompts start alike share the K/V blocks of that start."""
         check_int("max_num_seqs", max_num_seqs)  # before loading anything
         check_int("max_num_batched_tokens", max_num_batched_tokens, none_ok=True)
         check_bool("enable_chunked_prefill", enable_chunked_prefill)
+        check_bool("enable_prefix_caching", enable_prefix_caching)
         self.engine = InferenceEngine(
             model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
             attention_backend=attention_backend,
         )  # fmt: skip
         self.tokenizer = self.engine.tokenizer
-        self.block_manager = self.engine.make_block_manager()
+        self.block_manager = self.engine.make_block_manager(enable_prefix_caching)
         self.model_runner = self.engine.make_runner(self.block_manager)  # allocates the KV pool now
         n_ctx = self.engine.config.n_positions
         if max_num_batched_tokens is None:
@@ -97,6 +100,7 @@ class LLMEngine:
         except BaseException:
             for s in list(self.sessions.values()):  # a failed forward: fail every request, leak no block
                 self._retire(s, reason="abort")
+            self.reset_prefix_cache()  # blocks registered for this step may never have been written
             raise
         outputs = [s.output(delta=s.last_delta) for s in produced]
         for s in produced:
@@ -106,6 +110,23 @@ class LLMEngine:
         if self.trace is not None:
             self.trace.append(self._trace_entry(sched))
         return outputs
+
+    def get_stats(self) -> dict[str, int]:
+        """Counters since the engine started (vLLM's names): prefix-cache lookups and hits in tokens,
+        preemptions, and KV blocks in use (held by a request) out of the pool."""
+        sched, bm = self.scheduler, self.block_manager
+        return {
+            "prefix_cache_queries": sched.prefix_cache_queries,
+            "prefix_cache_hits": sched.prefix_cache_hits,
+            "num_preemptions": sched.num_preemptions,
+            "kv_blocks_used": bm.stats().used_blocks,
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_cached": len(bm.pool.cached),  # full blocks findable by their prefix, in use or free
+        }
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix: later requests compute their K/V again (blocks in use stay)."""
+        self.block_manager.pool.reset()
 
     def stream(
         self, prompts: Sequence[str | list[int]], params: SamplingParams | Sequence[SamplingParams] | None = None

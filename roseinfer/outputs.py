@@ -16,6 +16,7 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop" (EOS, stop token, stop string) | "length" | "abort" | None while running
     delta: str = ""  # text that became final in the last engine step (streaming)
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (stage 10)
 
     @property
     def finished(self) -> bool:

@@ -135,7 +135,9 @@ class Scheduler:
       2. then waiting requests, oldest first, while fewer than `max_num_seqs` run, tokens are
          left and the block manager can book the slots (else wait: nobody overtakes). With
          `enable_chunked_prefill` a prompt longer than the tokens left is cut: its first chunk now,
-         the rest in later steps. Nothing is admitted in a step that had to preempt;
+         the rest in later steps. Nothing is admitted in a step that had to preempt. Stage 10:
+         with prefix caching, the longest run of a request's first full blocks that is already in
+         the cache is shared, and it starts with num_computed_tokens past them;
       3. the result is a `SchedulerOutput`; after the model runner has run it,
          `update_from_output` advances every request and appends the sampled tokens.
 
@@ -167,6 +169,8 @@ class Scheduler:
         self.running: list[InferenceSession] = []
         self.num_preemptions = 0
         self._preempted: set[str] = set()  # ids that were preempted and have not run since
+        self.prefix_cache_queries = 0  # tokens of admitted requests looked up in the prefix cache (stage 10)
+        self.prefix_cache_hits = 0  # ... and found there
 
     def add(self, session: InferenceSession) -> None:
         """Queue a request. One that could not fit the pool even alone (prompt + max_tokens) fails here."""
@@ -190,7 +194,7 @@ class Scheduler:
             if session not in self.running:
                 break  # preempted below: it and everyone after it are gone
             n = min(session.num_tokens - session.num_computed_tokens, budget)
-            while not bm.allocate_slots(session.request_id, n):
+            while not bm.allocate_slots(session.request_id, n, self._block_hashes(session)):
                 victim = self.running[-1]  # the youngest gives its blocks back
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -203,12 +207,20 @@ class Scheduler:
         new, resumed = [], []
         while not preempted and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             session = self.waiting[0]
-            n = session.num_tokens - session.num_computed_tokens
+            hashes = self._block_hashes(session)
+            hits = bm.find_cached_blocks(hashes, session.num_tokens)  # stage 10: a cached prefix is shared
+            num_cached = len(hits) * bm.block_size
+            n = session.num_tokens - num_cached
             if n > budget and not self.enable_chunked_prefill:
                 break  # the whole prompt does not fit this step's budget: wait for a step with room
             n = min(n, budget)
-            if not bm.allocate_slots(session.request_id, n):
+            if not bm.allocate_slots(session.request_id, n, hashes, hits):
                 break  # LATER: FCFS, nobody overtakes the oldest waiting request
+            session.num_computed_tokens = num_cached  # the shared blocks' K/V are there: start after them
+            if session.request_id not in self._preempted:
+                session.num_cached_tokens = num_cached
+            self.prefix_cache_queries += session.num_tokens
+            self.prefix_cache_hits += num_cached
             self.running.append(self.waiting.popleft())
             (resumed if session.request_id in self._preempted else new).append(session.request_id)
             self._preempted.discard(session.request_id)
@@ -227,6 +239,11 @@ class Scheduler:
                 session.append_token(sampled[session.request_id])
                 produced.append(session)
         return produced
+
+    def _block_hashes(self, session: InferenceSession) -> list[bytes]:
+        """The session's full-block hashes when prefix caching is on (else none: nothing is cached)."""
+        bm = self.block_manager
+        return session.update_block_hashes(bm.block_size) if bm.enable_prefix_caching else []
 
     def _preempt(self, session: InferenceSession) -> None:
         """Preempt by recompute: drop the K/V, keep the tokens, go back to the front of the queue."""

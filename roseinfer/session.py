@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from roseinfer.block_pool import hash_block
 from roseinfer.detokenizer import Detokenizer
 from roseinfer.outputs import RequestOutput
 from roseinfer.sampling import SamplingParams
@@ -29,6 +30,8 @@ class InferenceSession:
     max_context: int  # the model's context length
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the paged cache (stage 09: may grow in chunks)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission (stage 10)
+    block_hashes: list[bytes] = field(default_factory=list)  # one per full block so far (stage 10)
     finish_reason: str | None = None
     last_delta: str = ""  # the text that became final with the latest token (for streaming)
 
@@ -54,6 +57,14 @@ class InferenceSession:
             return self.output_ids[start - p : end - p]
         return self.prompt_ids[start:] + self.output_ids[: end - p]
 
+    def update_block_hashes(self, block_size: int) -> list[bytes]:
+        """Stage 10: the hash of every full block of the sequence so far, each computed once, each
+        chained to the one before (see roseinfer/block_pool.py)."""
+        for i in range(len(self.block_hashes), self.num_tokens // block_size):
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            self.block_hashes.append(hash_block(parent, self.token_ids(i * block_size, (i + 1) * block_size)))
+        return self.block_hashes
+
     def append_token(self, token_id: int) -> None:
         """Record a sampled token, stream it through the detokenizer, and decide whether we are done."""
         self.output_ids.append(token_id)
@@ -76,4 +87,5 @@ class InferenceSession:
             token_ids=list(self.output_ids),
             finish_reason=self.finish_reason,
             delta=delta,
+            num_cached_tokens=self.num_cached_tokens,
         )

@@ -10,10 +10,12 @@ generation (model loading and a tiny warm-up run are excluded) and report output
     python scripts/benchmark.py --model gpt2 --workload gpu --device cuda   # random-weight GPT-2 small shapes
     python scripts/benchmark.py --num-requests 64 --input-len 32 64 --output-len 100 100 --threads 2
 
-Engines: `roseinfer` (`LLM.generate`), `hf-generate` (`GPT2LMHeadModel.generate` on left-padded static batches of
---batch-size; each batch runs to its longest output, only the requested tokens count), `hf-cb` (transformers'
-continuous batching, with an explicit `ContinuousBatchingConfig` sized from the workload) and `dense-limit` (a bare
-decode loop of the same weights at --batch-size with contiguous K/V: the ceiling, see scripts/dense_limit.py).
+Engines (scripts/bench_engines.py): `roseinfer` (`LLMEngine`; `roseinfer-nocache`: the same without prefix
+caching), `hf-generate` (`GPT2LMHeadModel.generate` on left-padded static batches of --batch-size; each batch runs
+to its longest output, only the requested tokens count), `hf-cb` (transformers' continuous batching, with an
+explicit `ContinuousBatchingConfig` sized from the workload) and `dense-limit` (a bare decode loop of the same
+weights with contiguous K/V: the ceiling, see scripts/dense_limit.py). `--workload shared-prefix` puts one
+384-token prefix before every prompt.
 `--model` takes a model directory, a Hub id, or one of gpt2 / gpt2-medium / gpt2-large / gpt2-xl for random weights
 with those shapes (saved once under --cache-dir; for the real GPT-2 weights use the Hub id openai-community/gpt2).
 
@@ -30,7 +32,6 @@ import math
 import platform
 import random
 import sys
-import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +41,6 @@ import torch
 REPO = next((p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists()), Path.cwd())
 sys.path.insert(0, str(REPO))  # run from a checkout without `pip install -e .`
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dense_limit import run_dense_limit  # noqa: E402  (scripts/dense_limit.py)
 
 # Presets. Lengths are [min, max], both inclusive. "gpu" is given for a 1024-token context and scaled to the model's.
 WORKLOADS = {
@@ -49,6 +49,8 @@ WORKLOADS = {
     # mostly short outputs, a quarter long ones: static batches wait for their longest member
     "mixed": dict(num_requests=64, input_len=(16, 128), output_len=(8, 32), long_fraction=0.25, long_len=(128, 256)),
     "gpu": dict(num_requests=256, input_len=(100, 512), output_len=(100, 512)),
+    # one 384-token prefix (a system prompt) before every request's own 16-64 tokens (stage 10)
+    "shared-prefix": dict(num_requests=64, input_len=(16, 64), output_len=(32, 32), shared_prefix=384),
 }
 RANDOM_SHAPES = {  # (n_embd, n_layer, n_head) of the released GPT-2 checkpoints
     "gpt2": (768, 12, 12),
@@ -66,17 +68,19 @@ class Workload:
 
 
 def make_workload(args, n_positions: int, vocab_size: int, model_dir: Path) -> Workload:
-    p = {"long_fraction": 0.0, "long_len": (0, 0)} | WORKLOADS[args.workload]
+    p = {"long_fraction": 0.0, "long_len": (0, 0), "shared_prefix": 0} | WORKLOADS[args.workload]
     if args.workload == "gpu":  # scale the ranges to the model's context
         scale = lambda r: (max(1, r[0] * n_positions // 1024), r[1] * n_positions // 1024)
         p["input_len"], p["output_len"] = scale(p["input_len"]), scale(p["output_len"])
-    for key in ("num_requests", "input_len", "output_len", "long_fraction", "long_len"):
+    for key in ("num_requests", "input_len", "output_len", "long_fraction", "long_len", "shared_prefix"):
         if getattr(args, key) is not None:
             p[key] = tuple(getattr(args, key)) if key.endswith("_len") else getattr(args, key)
     (lo_in, hi_in), (lo_out, hi_out), n, frac = p["input_len"], p["output_len"], p["num_requests"], p["long_fraction"]
     hi_all = max(hi_out, p["long_len"][1] if frac > 0 else 0)
-    if min(lo_in, lo_out) < 1 or lo_in > hi_in or lo_out > hi_out or hi_in + hi_all > n_positions:
-        raise SystemExit(f"bad lengths: input {lo_in}-{hi_in}, output up to {hi_all}, model context {n_positions}")
+    shared = p["shared_prefix"]
+    if min(lo_in, lo_out) < 1 or lo_in > hi_in or lo_out > hi_out or shared + hi_in + hi_all > n_positions:
+        raise SystemExit(f"bad lengths: prefix {shared}, input {lo_in}-{hi_in}, output up to {hi_all}, model "
+                         f"context {n_positions}")  # fmt: skip
     rng = random.Random(args.seed)
     in_lens = [rng.randint(lo_in, hi_in) for _ in range(n)]
     is_long = [i < round(n * frac) for i in range(n)]
@@ -90,8 +94,11 @@ def make_workload(args, n_positions: int, vocab_size: int, model_dir: Path) -> W
             prompts.append([text_ids[(start + j) % len(text_ids)] for j in range(length)])
         else:  # random ids, never EOS (the last id)
             prompts.append([rng.randrange(vocab_size - 1) for _ in range(length)])
+    if shared:  # drawn last, so the workloads without a shared prefix keep their prompts
+        prefix = [rng.randrange(vocab_size - 1) for _ in range(shared)]
+        prompts = [prefix + own for own in prompts]
     p |= {"name": args.workload, "seed": args.seed, "prompt_source": "text" if text_ids else "random"}
-    p |= {"total_prompt_tokens": sum(in_lens), "total_output_tokens": sum(out_lens)}
+    p |= {"total_prompt_tokens": sum(map(len, prompts)), "total_output_tokens": sum(out_lens)}
     return Workload(p, prompts, out_lens)
 
 
@@ -145,125 +152,7 @@ def make_random_model(name: str, out: Path) -> Path:
     return out
 
 
-def load_hf(model_dir: Path, device: torch.device, dtype: torch.dtype):
-    from transformers import GPT2LMHeadModel
-
-    return GPT2LMHeadModel.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-# ---------------------------------------------------------------------------------------------------- engines
-# Each runner: (workload, model_dir, device, dtype, batch_size) -> (per-request output token ids, seconds).
-def run_roseinfer(wl: Workload, model_dir: Path, device, dtype, batch_size: int):
-    import inspect
-
-    from roseinfer import LLM, SamplingParams
-
-    kwargs = {"max_num_seqs": batch_size} if "max_num_seqs" in inspect.signature(LLM).parameters else {}
-    llm = LLM(model=str(model_dir), device=str(device), dtype=dtype, **kwargs)
-    params = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    llm.generate([[1, 2, 3], [4, 5]], [params(2), params(2)], use_tqdm=False)  # warm-up
-    sync(device)
-    t0 = time.perf_counter()
-    outs = llm.generate(wl.prompts, [params(n) for n in wl.output_lens], use_tqdm=False)
-    sync(device)
-    return [list(o.token_ids) for o in outs], time.perf_counter() - t0
-
-
-@torch.no_grad()
-def run_hf_generate(wl: Workload, model_dir: Path, device, dtype, batch_size: int):
-    model = load_hf(model_dir, device, dtype)
-    eos = model.config.eos_token_id
-
-    def generate(prompts: list[list[int]], new: int) -> list[list[int]]:
-        width = max(map(len, prompts))  # left padding: every prompt ends at column `width`
-        ids = torch.tensor([[eos] * (width - len(p)) + p for p in prompts], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        # min_new_tokens == max_new_tokens suppresses EOS, so every row runs exactly `new` steps
-        greedy = dict(do_sample=False, pad_token_id=eos, eos_token_id=eos)
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, **greedy)
-        return out[:, width:].tolist()
-
-    generate([[1, 2, 3], [4, 5]], 2)  # warm-up
-    sync(device)
-    t0 = time.perf_counter()
-    results = []
-    for i in range(0, len(wl.prompts), batch_size):
-        lens = wl.output_lens[i : i + batch_size]
-        rows = generate(wl.prompts[i : i + batch_size], max(lens))  # the batch runs to its longest output ...
-        results += [row[:n] for row, n in zip(rows, lens, strict=True)]  # ... but only the requested tokens count
-    sync(device)
-    return results, time.perf_counter() - t0
-
-
-def cb_config_for(wl: Workload, batch_size: int):
-    """An explicit ContinuousBatchingConfig: without num_blocks / max_batch_tokens, transformers sizes the KV cache
-    from free memory (60% of RAM on CPU, 90% of free GPU memory)."""
-    from transformers import ContinuousBatchingConfig
-
-    page = 64
-    concurrent = min(batch_size, len(wl.prompts))
-    longest = max(len(p) + n for p, n in zip(wl.prompts, wl.output_lens, strict=True))
-    blocks = concurrent * math.ceil(longest / page)
-    margin = 0.15  # the FIFO scheduler stops admitting prefills when less than this fraction of blocks is free
-    return ContinuousBatchingConfig(
-        page_size=page,  # tokens per block (`block_size` is the deprecated name)
-        num_blocks=math.ceil(blocks / (1 - margin)) + 1,
-        max_batch_tokens=min(2048, concurrent * (max(map(len, wl.prompts)) + 1)),  # tokens per step (prefill + decode)
-        max_requests_per_batch=concurrent,
-        safety_margin=margin,
-        allow_block_sharing=False,  # no prefix caching: random prompts never share a prefix
-        seed=wl.params["seed"],
-    )
-
-
-@torch.no_grad()
-def run_hf_cb(wl: Workload, model_dir: Path, device, dtype, batch_size: int):
-    from transformers import GenerationConfig
-
-    model = load_hf(model_dir, device, dtype)
-    # `generate_batch(inputs, generation_config, continuous_batching_config=...)` takes one max_new_tokens for all
-    # requests, so we use the context manager it wraps and pass per-request max_new_tokens and eos_token_id=-1
-    # (no EOS) to `manager.add_request`; results are GenerationOutput objects with `.generated_tokens`.
-    gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max(wl.output_lens), eos_token_id=-1)
-
-    def run(manager, prompts: list[list[int]], lens: list[int], tag: str) -> list[list[int]]:
-        ids = [
-            manager.add_request(p, request_id=f"{tag}_{i}", max_new_tokens=n, eos_token_id=-1)
-            for i, (p, n) in enumerate(zip(prompts, lens, strict=True))
-        ]
-        done = {}
-        while len(done) < len(ids):
-            out = manager.get_result(timeout=1)
-            if out is not None and out.is_finished():
-                done[out.request_id] = out.generated_tokens if out.error is None else []
-            elif out is None and not manager.is_running():
-                print("hf-cb: generation thread died", file=sys.stderr)
-                break
-        return [done.get(i, []) for i in ids]
-
-    with model.continuous_batching_context_manager(
-        generation_config=gen_cfg, continuous_batching_config=cb_config_for(wl, batch_size), block=True, timeout=30
-    ) as manager:
-        run(manager, [[1, 2, 3], [4, 5]], [2, 2], "warmup")
-        sync(device)
-        t0 = time.perf_counter()
-        results = run(manager, wl.prompts, wl.output_lens, "req")
-        sync(device)
-        elapsed = time.perf_counter() - t0
-    return results, elapsed
-
-
-ENGINES = {
-    "roseinfer": run_roseinfer,
-    "hf-generate": run_hf_generate,
-    "hf-cb": run_hf_cb,
-    "dense-limit": run_dense_limit,
-}
+from bench_engines import DEFAULT_ENGINES, ENGINES  # noqa: E402  (scripts/bench_engines.py: one runner per engine)
 
 
 def decode_roofline(wl: Workload, cfg: dict, dtype: torch.dtype, batch_size: int, bandwidth: float) -> dict:
@@ -305,13 +194,15 @@ def device_name(device: torch.device) -> str:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model dir, Hub id or gpt2[-medium|-large|-xl] (random weights)")
-    ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {','.join(ENGINES)}")
+    ap.add_argument("--engines", help=f"comma-separated subset of {','.join(ENGINES)} (default: "
+                    f"{','.join(DEFAULT_ENGINES)}, and roseinfer-nocache when prompts share a prefix)")  # fmt: skip
     ap.add_argument("--workload", choices=WORKLOADS, default="small")
     ap.add_argument("--num-requests", type=int)
     ap.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"))
     ap.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"))
     ap.add_argument("--long-fraction", type=float, help="fraction of requests drawing from --long-len instead")
     ap.add_argument("--long-len", type=int, nargs=2, metavar=("MIN", "MAX"))
+    ap.add_argument("--shared-prefix", type=int, help="tokens of one common prefix before every prompt")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompt-source", choices=["random", "text"], default="random")
     ap.add_argument("--text-file", help="text for --prompt-source text (default: the repo README)")
@@ -329,7 +220,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    names = [e.strip() for e in args.engines.split(",") if e.strip()]
+    names = [e.strip() for e in args.engines.split(",") if e.strip()] if args.engines else []
     if unknown := [e for e in names if e not in ENGINES]:
         raise SystemExit(f"unknown engine(s) {unknown}; choose from {list(ENGINES)}")
     auto = "cuda" if torch.cuda.is_available() else "cpu"
@@ -344,6 +235,8 @@ def main(argv=None) -> int:
     model_dir = resolve_model(model_arg, args.cache_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
     wl = make_workload(args, cfg.get("n_positions", 1024), cfg["vocab_size"], model_dir)
+    if not names:
+        names = DEFAULT_ENGINES + (["roseinfer-nocache"] if wl.params["shared_prefix"] else [])
 
     import transformers
 
@@ -355,7 +248,7 @@ def main(argv=None) -> int:
     results, failed = {}, False
     for name in names:
         try:
-            outs, secs = ENGINES[name](wl, model_dir, device, dtype, args.batch_size)
+            outs, secs, *extras = ENGINES[name](wl, model_dir, device, dtype, args.batch_size)
         except Exception as e:
             traceback.print_exc()
             results[name], failed = {"error": f"{type(e).__name__}: {e}"}, True
@@ -369,19 +262,24 @@ def main(argv=None) -> int:
         tokens = sum(min(n, g) for n, g in zip(wl.output_lens, got, strict=True))
         results[name] = dict(output_tokens_per_s=tokens / secs, seconds=secs, output_tokens=tokens, requests=num)
         results[name]["tokens_ok"] = not bad
+        results[name] |= extras[0] if extras else {}  # e.g. roseinfer's time to first token
 
     base = results.get("roseinfer", {}).get("output_tokens_per_s")
-    print(f"{'engine':<12} {'requests':>8} {'out tokens':>10} {'seconds':>8} {'out tok/s':>10} {'vs roseinfer':>12}")
+    print(f"{'engine':<17} {'requests':>8} {'out tokens':>10} {'seconds':>8} {'out tok/s':>10} {'vs roseinfer':>12} "
+          f"{'TTFT p50 ms':>11}")  # fmt: skip
     for name, r in results.items():
         if "error" in r:
-            print(f"{name:<12} failed: {r['error']}")
+            print(f"{name:<17} failed: {r['error']}")
             continue
         ratio = f"{r['output_tokens_per_s'] / base:.2f}x" if base else "-"
         flag = "" if r["tokens_ok"] else "  (token count mismatch!)"
+        ttft = f"{r['ttft_p50_s'] * 1e3:.0f}" if "ttft_p50_s" in r else "-"
         print(
-            f"{name:<12} {r['requests']:>8} {r['output_tokens']:>10} {r['seconds']:>8.2f} "
-            f"{r['output_tokens_per_s']:>10.1f} {ratio:>12}{flag}"
+            f"{name:<17} {r['requests']:>8} {r['output_tokens']:>10} {r['seconds']:>8.2f} "
+            f"{r['output_tokens_per_s']:>10.1f} {ratio:>12} {ttft:>11}{flag}"
         )
+        if r.get("prefix_cache_queries"):
+            print(f"{'':<17} prefix cache: {r['prefix_cache_hits']} of {r['prefix_cache_queries']} prompt tokens hit")
     ok = {n: r["output_tokens_per_s"] for n, r in results.items() if "error" not in r}
     if base and len(ok) > 1:  # the targets are ratios of roseinfer to its peers in this same run
         ratios = [f"{base / v:.2f}x {n}" for n, v in ok.items() if n not in ("roseinfer", "dense-limit")]

@@ -32,7 +32,7 @@ sys.path[:] = _path  # benchmark.py puts this checkout first; PYTHONPATH may nam
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", choices=["small", "mixed"], default="small")
+    ap.add_argument("--workload", choices=["small", "mixed", "shared-prefix"], default="small")
     ap.add_argument("--batch-size", type=int, default=32, help="max_num_seqs")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--top", type=int, default=12)

@@ -141,12 +141,13 @@ def test_without_chunked_prefill_the_budget_must_hold_a_whole_context(engine):
     eng = LLMEngine(device="cpu", dtype="float32", enable_chunked_prefill=False, max_num_batched_tokens=512)
     eng.trace = []
     long_ids = engine.tokenizer.encode(LONG)
-    for i in range(4):
-        eng.add_request(str(i), long_ids, SamplingParams(temperature=0, max_tokens=4))
+    prompts = [long_ids[i:] for i in range(4)]  # four different long prompts (stage 10: nothing shared)
+    for i, prompt in enumerate(prompts):
+        eng.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=4))
     run_all(eng)
-    firsts = [t["num_scheduled_tokens"] for t in eng.trace]
-    assert all(n in (1, len(long_ids)) for step in firsts for n in step.values())  # never a partial prompt
-    assert max(sum(step.values()) for step in firsts) <= 512
+    steps = [t["num_scheduled_tokens"] for t in eng.trace]
+    assert all(n in (1, len(prompts[int(r)])) for step in steps for r, n in step.items())  # never a partial prompt
+    assert max(sum(step.values()) for step in steps) <= 512
 
 
 def test_scheduler_output_names_new_resumed_and_preempted_requests():

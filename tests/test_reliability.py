@@ -113,6 +113,13 @@ BAD_ENGINE_ARGS = [  # (argument, bad value, error); the message must name the a
     ("max_num_seqs", 0, ValueError), ("max_num_seqs", -1, ValueError), ("max_num_seqs", 1.5, TypeError),
     ("max_num_seqs", True, TypeError), ("max_num_seqs", "4", TypeError), ("max_num_seqs", None, TypeError),
     ("use_kv_cache", "no", TypeError), ("use_kv_cache", 0, TypeError), ("use_kv_cache", None, TypeError),
+    ("max_num_batched_tokens", 0, ValueError), ("max_num_batched_tokens", -1, ValueError),
+    ("max_num_batched_tokens", 1.5, TypeError), ("max_num_batched_tokens", True, TypeError),
+    ("max_num_batched_tokens", "64", TypeError),
+    ("enable_chunked_prefill", "yes", TypeError), ("enable_chunked_prefill", 1, TypeError),
+    ("enable_chunked_prefill", None, TypeError),
+    ("enable_prefix_caching", "yes", TypeError), ("enable_prefix_caching", 1, TypeError),
+    ("enable_prefix_caching", None, TypeError),
 ]  # fmt: skip
 ENGINE_CASES = [
     (cls, arg, value, exc)

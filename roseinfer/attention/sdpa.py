@@ -11,6 +11,8 @@ two-index scatter. This path does the same math with as few copies as possible:
       k_cache.index_select(0, block ids)     one copy per *block* (16 slots of [H, D] in a row),
       -> [B, max_blocks * block_size, H, D]  in logical order, viewed as [B, H, L, D] (no copy)
       SDPA with a boolean mask [B, 1, 1, L]  positions >= seq_len switched off inside the kernel
+  decodes that all start with the same cached blocks (stage 10, prefix caching): cascade attention,
+      the shared prefix read once for all rows, each run's own tokens after it, merged by log-sum-exp
   prefill chunks, one request at a time:
       a first chunk (no context yet)         attends to its own fresh K/V: SDPA is_causal, no gather
       a later chunk                          gathers its blocks once, SDPA with an offset causal mask
@@ -96,17 +98,33 @@ class SdpaPlan:
 
     decode_runs: list[DecodeRun]
     chunks: list[PrefillChunk]
+    prefix_blocks: torch.Tensor | None = None  # stage 10: blocks every decode row starts with (cascade)
+
+
+CASCADE_MIN_ROWS, CASCADE_MIN_BLOCKS = 4, 4  # a shared prefix this big is worth attending to separately
+
+
+def common_prefix_blocks(block_tables: torch.Tensor, seq_lens: list[int], block_size: int) -> int:
+    """How many leading blocks all rows share (stage 10: the same physical ids, so the same K/V).
+    Each row's last block is its own, so at most (shortest seq_len - 1) // block_size."""
+    limit = (min(seq_lens) - 1) // block_size
+    same = (block_tables[:, :limit] == block_tables[:1, :limit]).all(dim=0)  # [limit] column equal in every row
+    return int(same.int().cumprod(dim=0).sum())
 
 
 def plan_sdpa(meta: AttentionMetadata, block_size: int) -> SdpaPlan:
     """The decode runs with their block ids and masks, and each prefill chunk's blocks and causal mask."""
     dev = meta.block_tables.device
     starts, lens, d = meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.num_decodes
-    runs = []
-    for a, b, width in decode_runs(lens[:d], block_size):
+    cascade = d >= CASCADE_MIN_ROWS and dev.type == "cpu"  # (the CPU flash kernel returns the log-sum-exp)
+    k = common_prefix_blocks(meta.block_tables[:d], lens[:d], block_size) if cascade else 0
+    k = k if k >= CASCADE_MIN_BLOCKS else 0
+    runs = []  # over what each row has after the shared prefix (all of it when k = 0)
+    for a, b, width in decode_runs([n - k * block_size for n in lens[:d]], block_size):
         pos = torch.arange(width * block_size, device=dev)
-        real = pos[None, :] < meta.seq_lens[a:b, None]  # [rows, L]
-        runs.append(DecodeRun(a, b, meta.block_tables[a:b, :width].reshape(-1).long(), real[:, None, None, :]))
+        real = pos[None, :] < meta.seq_lens[a:b, None] - k * block_size  # [rows, L]
+        blocks = meta.block_tables[a:b, k : k + width].reshape(-1).long()
+        runs.append(DecodeRun(a, b, blocks, real[:, None, None, :]))
     chunks = []
     for i in range(d, len(lens)):
         s, e, L = starts[i], starts[i + 1], lens[i]
@@ -116,7 +134,7 @@ def plan_sdpa(meta: AttentionMetadata, block_size: int) -> SdpaPlan:
             pos = torch.arange(L, device=dev)
             causal = pos[None, :] <= pos[L - (e - s) :, None]  # [T, L]
             chunks.append(PrefillChunk(s, e, L, meta.block_tables[i, : -(-L // block_size)].long(), causal))
-    return SdpaPlan(runs, chunks)
+    return SdpaPlan(runs, chunks, meta.block_tables[0, :k].long() if k else None)
 
 
 def _attend_run(q, k_cache, v_cache, run: DecodeRun, scale: float, buffer: GatherBuffer | None) -> torch.Tensor:
@@ -130,6 +148,46 @@ def _attend_run(q, k_cache, v_cache, run: DecodeRun, scale: float, buffer: Gathe
     v = v_blocks.view(B, L, H, D).transpose(1, 2)
     out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=run.real, scale=scale)  # [B, H, 1, D]
     return out[:, :, 0]
+
+
+def attend_cascade(q, k_cache, v_cache, plan: SdpaPlan, scale: float, buffer: GatherBuffer | None) -> torch.Tensor:
+    """Decode rows that all start with the same cached blocks (cascade attention, as in vLLM and FlashInfer):
+    the shared prefix is read once and attended by every row at once, each row's own tokens after it
+    separately, and the two softmaxes are merged through their log-sum-exps:
+
+        out = o_prefix · exp(lse_prefix - lse) + o_own · exp(lse_own - lse),   lse = logaddexp(lse_prefix, lse_own)
+
+    Without it, 32 requests behind a 384-token system prompt gather those 384 tokens' K/V 32 times a layer.
+    Both parts run on PyTorch's CPU flash-attention kernel, the one F.scaled_dot_product_attention calls
+    on a CPU, called directly because it also returns the log-sum-exp (an internal op of torch 2.13).
+    """
+    B, H, D = q.shape
+    k_p = k_cache.index_select(0, plan.prefix_blocks).flatten(0, 1).transpose(0, 1)  # [H, Lp, D]: the prefix, once
+    v_p = v_cache.index_select(0, plan.prefix_blocks).flatten(0, 1).transpose(0, 1)
+    # all B queries against the prefix, as one sequence of B queries with no mask (every prefix token is visible)
+    o_p, lse_p = _flash_with_lse(q.transpose(0, 1)[None], k_p[None], v_p[None], None, scale)  # [1, H, B, D|1]
+    o_p, lse_p = o_p[0].transpose(0, 1), lse_p[0].transpose(0, 1)  # [B, H, D], [B, H]
+    out = torch.empty_like(q)
+    for run in plan.decode_runs:  # the rows' own tokens, padded to the run's longest, masked
+        rows, L = run.b - run.a, run.real.shape[-1]
+        k_blocks, v_blocks = (buffer or GatherBuffer()).get(len(run.blocks), k_cache)
+        torch.index_select(k_cache, 0, run.blocks, out=k_blocks)
+        torch.index_select(v_cache, 0, run.blocks, out=v_blocks)
+        k = k_blocks.view(rows, L, H, D).transpose(1, 2)  # [rows, H, L, D]
+        v = v_blocks.view(rows, L, H, D).transpose(1, 2)
+        bias = torch.zeros(run.real.shape, dtype=q.dtype, device=q.device).masked_fill(~run.real, float("-inf"))
+        o_o, lse_o = _flash_with_lse(q[run.a : run.b, :, None], k, v, bias, scale)  # [rows, H, 1, D], [rows, H, 1]
+        o_o, lse_o, lse_pr = o_o[:, :, 0], lse_o[:, :, 0], lse_p[run.a : run.b]
+        lse = torch.logaddexp(lse_pr, lse_o)  # [rows, H]
+        out[run.a : run.b] = (
+            o_p[run.a : run.b] * torch.exp(lse_pr - lse)[..., None] + o_o * torch.exp(lse_o - lse)[..., None]
+        )
+    return out
+
+
+def _flash_with_lse(q, k, v, bias: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q kᵀ · scale + bias) v and its log-sum-exp: [B, H, T, D] x [B, H, L, D] -> [B, H, T, D], [B, H, T]."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias, scale=scale)
 
 
 def paged_decode_sdpa(
@@ -183,8 +241,12 @@ def attention_sdpa(
     """A mixed batch: the decodes in a few calls (runs of similar length), then each prefill chunk on its own."""
     plan = meta.plan if isinstance(meta.plan, SdpaPlan) else plan_sdpa(meta, k_cache.shape[1])
     out = torch.empty_like(q)
-    for run in plan.decode_runs:
-        out[run.a : run.b] = _attend_run(q[run.a : run.b], k_cache, v_cache, run, scale, meta.gather_buffer)
+    if plan.prefix_blocks is not None:  # stage 10: many decodes share a cached prefix
+        d = plan.decode_runs[-1].b
+        out[:d] = attend_cascade(q[:d], k_cache, v_cache, plan, scale, meta.gather_buffer)
+    else:
+        for run in plan.decode_runs:
+            out[run.a : run.b] = _attend_run(q[run.a : run.b], k_cache, v_cache, run, scale, meta.gather_buffer)
     for c in plan.chunks:
         q_c = q[c.s : c.e].transpose(0, 1)  # [H, T, D]
         if c.blocks is None:  # a first chunk: its own fresh K/V, plain causal attention
