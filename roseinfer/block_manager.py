@@ -103,6 +103,7 @@ class BlockSpaceManager:
         self.block_tables: dict[str, list[int]] = {}  # seq id -> physical block ids
         self.num_tokens: dict[str, int] = {}  # seq id -> token slots in use
         self.num_hashed_blocks: dict[str, int] = {}  # seq id -> its first blocks offered to the prefix cache
+        self.blocks_to_copy: list[tuple[int, int]] = []  # copy-on-write (src, dst) pairs the next forward must do
         self.kv_cache: KVCache | None = None  # the pool these ids index (stage 07), set by the engine
 
     @property
@@ -175,9 +176,16 @@ class BlockSpaceManager:
         have = self.num_tokens[seq_id] if table is not None else len(cached_blocks) * self.block_size
         held = len(table) if table is not None else len(cached_blocks)
         need = self.blocks_for(have + num_new_tokens) - held
+        # stage 11: the next token goes into a partly filled last block that a forked sibling also holds
+        copy_on_write = table is not None and have % self.block_size and self.pool.ref_count[table[-1]] > 1
         reviving = sum(self.pool.ref_count[b] == 0 for b in cached_blocks)  # free cached blocks leave the queue
-        if need + reviving > len(self.pool.free):
+        if need + reviving + copy_on_write > len(self.pool.free):
             return False
+        if copy_on_write:  # write into a copy of our own; the siblings keep the original
+            fresh = self.pool.get_free_block()
+            self.blocks_to_copy.append((table[-1], fresh))
+            self.pool.free_block(table[-1])
+            table[-1] = fresh
         if table is None:
             for block in cached_blocks:  # first, so that taking new blocks cannot evict them
                 self.pool.touch(block)
@@ -190,6 +198,18 @@ class BlockSpaceManager:
             self.pool.cache_block(table[i], block_hashes[i])
         self.num_hashed_blocks[seq_id] = max(full, self.num_hashed_blocks[seq_id])
         return True
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Stage 11: the child's table is the parent's, every block shared (reference count + 1). Whichever
+        of them next writes into the shared, partly filled last block copies it first (copy-on-write)."""
+        if child_id in self.block_tables:
+            raise ValueError(f"sequence {child_id!r} already has blocks")
+        table = self.block_tables[parent_id]
+        for block in table:
+            self.pool.touch(block)
+        self.block_tables[child_id] = list(table)
+        self.num_tokens[child_id] = self.num_tokens[parent_id]
+        self.num_hashed_blocks[child_id] = self.num_hashed_blocks.get(parent_id, 0)
 
     def free(self, seq_id: str) -> None:
         """Give a finished (or failed, or preempted) sequence's blocks back. Unknown ids are ignored.

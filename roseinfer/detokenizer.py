@@ -17,6 +17,7 @@ sequence, so a long stream stays cheap.
 from __future__ import annotations
 
 import codecs
+import copy
 from collections.abc import Iterable
 
 from roseinfer.tokenizer import Tokenizer
@@ -32,6 +33,14 @@ class Detokenizer:
         self._pending = ""  # decoded text not emitted yet (at most _hold chars between steps)
         self._pieces: list[str] = []  # everything emitted so far (joined only when asked for)
         self.stopped = False  # a stop string was found
+
+    def fork(self) -> Detokenizer:
+        """A copy that goes on independently (stage 11: a forked sequence continues the same text)."""
+        child = copy.copy(self)
+        child._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        child._utf8.setstate(self._utf8.getstate())  # bytes of a half-decoded character carry over
+        child._pieces = list(self._pieces)
+        return child
 
     @property
     def text(self) -> str:

@@ -18,8 +18,8 @@ import torch
 from tqdm.auto import tqdm
 
 from roseinfer.llm_engine import LLMEngine
-from roseinfer.outputs import RequestOutput
-from roseinfer.sampling import SamplingParams
+from roseinfer.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from roseinfer.sampling import BeamSearchParams, SamplingParams
 
 Prompt = str | list[int]
 
@@ -70,7 +70,26 @@ class LLM:
         Runs on LLMEngine: continuous batching with at most `max_num_seqs` requests at a time.
         """
         prompts = _as_prompt_list(prompts)
-        params = _as_params_list(sampling_params, len(prompts))
+        return self._run(prompts, _as_params_list(sampling_params, len(prompts)), use_tqdm)
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (stage 11): per prompt, the `beam_width` best finished sequences,
+        best first, the same as Hugging Face `generate(num_beams=beam_width, num_return_sequences=beam_width,
+        do_sample=False, early_stopping=True, length_penalty=...)`. The beams run on LLMEngine like any
+        request: they fork and share KV blocks, and copy a shared block before writing into it."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        prompts = _as_prompt_list(prompts)
+        lp = params.length_penalty
+        return [
+            BeamSearchOutput([BeamSearchSequence(c.token_ids, c.text, c.cumulative_logprob,
+                                                 c.cumulative_logprob / len(c.token_ids) ** lp) for c in out.outputs])
+            for out in self._run(prompts, [params] * len(prompts), use_tqdm)
+        ]  # fmt: skip
+
+    def _run(self, prompts: list[Prompt], params: list, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = [str(i) for i in range(len(prompts))]
         results: dict[str, RequestOutput] = {}

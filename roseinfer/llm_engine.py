@@ -24,12 +24,14 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from roseinfer.beam_search import BeamSearchState
 from roseinfer.checks import check_bool, check_int
 from roseinfer.engine import InferenceEngine
-from roseinfer.outputs import RequestOutput
-from roseinfer.sampling import SamplingParams
+from roseinfer.outputs import CompletionOutput, RequestOutput
+from roseinfer.sampling import BeamSearchParams, SamplingParams
 from roseinfer.scheduler import Scheduler
 from roseinfer.scheduler_output import SchedulerOutput
+from roseinfer.sequence_group import SequenceGroup
 from roseinfer.session import InferenceSession
 
 
@@ -74,11 +76,21 @@ class LLMEngine:
         self.trace: list[dict] | None = None  # set to [] to record every step (notebooks, examples)
         self.num_steps = 0
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
-        """Queue a request. Bad input (and a prompt that can never fit the KV pool) raises here."""
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | BeamSearchParams | None = None
+    ) -> None:
+        """Queue a request. Bad input (and a prompt that can never fit the KV pool) raises here.
+        `SamplingParams(n=...)` asks for n completions; `BeamSearchParams` runs a beam search (stage 11)."""
         if request_id in self.sessions:
             raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
+        if params is not None and not isinstance(params, (SamplingParams, BeamSearchParams)):
+            raise TypeError(f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}")
         session = self.engine.new_session(request_id, prompt, params or SamplingParams())
+        if isinstance(params, BeamSearchParams):
+            end = min(session.num_tokens + params.max_tokens, session.max_context)
+            eos = None if params.ignore_eos else self.engine.eos_token_id
+            state = BeamSearchState(params.beam_width, params.length_penalty, eos, session.num_tokens, end)
+            session.group = SequenceGroup(request_id, [session], beam=state)
         self.scheduler.add(session)
         self.sessions[request_id] = session
 
@@ -102,10 +114,20 @@ class LLMEngine:
                 self._retire(s, reason="abort")
             self.reset_prefix_cache()  # blocks registered for this step may never have been written
             raise
-        outputs = [s.output(delta=s.last_delta) for s in produced]
+        outputs, groups = [], {}
         for s in produced:
-            if s.finished:
-                self._retire(s)
+            if s.group is None:
+                outputs.append(s.output(delta=s.last_delta))
+                if s.finished:
+                    self._retire(s)
+                continue
+            if s.finished and s.group.beam is None:  # one of n completions ended: its blocks go back
+                self.scheduler.finish(s)
+            groups[id(s.group)] = s.group
+        for group in groups.values():  # stage 11: one output per request, with all its completions
+            outputs.append(self._group_output(group))
+            if group.finished:
+                self._retire(self.sessions[group.request_id])
         self.num_steps += 1
         if self.trace is not None:
             self.trace.append(self._trace_entry(sched))
@@ -139,10 +161,24 @@ class LLMEngine:
             yield from self.step()
 
     def _retire(self, session: InferenceSession, reason: str | None = None) -> None:
-        if reason and not session.finished:
-            session.finish_reason = reason
-        self.scheduler.finish(session)
+        for s in session.group.seqs if session.group is not None else [session]:
+            if reason and not s.finished:
+                s.finish_reason = reason
+            self.scheduler.finish(s)
         self.sessions.pop(session.request_id, None)
+
+    def _group_output(self, group: SequenceGroup) -> RequestOutput:
+        """The request's output (stage 11): all its completions, the first one also as text / token_ids."""
+        parent = self.sessions[group.request_id]
+        completions = group.completions(self.tokenizer)
+        first = completions[0] if completions else CompletionOutput(0, "", [], None)
+        return RequestOutput(
+            request_id=group.request_id, prompt=parent.prompt, prompt_token_ids=list(parent.prompt_ids),
+            text=first.text, token_ids=list(first.token_ids),
+            finish_reason=first.finish_reason if group.finished else None,
+            delta=parent.last_delta if group.beam is None else "", num_cached_tokens=parent.num_cached_tokens,
+            outputs=completions,
+        )  # fmt: skip
 
     def _trace_entry(self, sched: SchedulerOutput) -> dict:
         return {

@@ -19,16 +19,25 @@ not C, whose prompt goes on next step).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from roseinfer.attention import AttentionBackend, AttentionMetadata, GatherBuffer
 from roseinfer.kv_cache import KVCache
 from roseinfer.model import GPT2
-from roseinfer.sampling import sample
+from roseinfer.sampling import BeamSearchParams, sample
 from roseinfer.scheduler_output import SchedulerOutput
 from roseinfer.session import InferenceSession
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What a step produced, per sequence id."""
+
+    sampled: dict[str, int] = field(default_factory=dict)  # the next token
+    logprobs: dict[str, float] = field(default_factory=dict)  # stage 11: its log-probability (n > 1)
+    beam_logprobs: dict[str, torch.Tensor] = field(default_factory=dict)  # stage 11: a beam's log-softmax [V]
 
 
 @dataclass
@@ -97,28 +106,57 @@ class ModelRunner:
         )
         if self.backend is not None and self.backend.prepare is not None:
             meta.plan = self.backend.prepare(meta, self.block_size)  # once per step, for every layer
+        rows = [query_start_loc[i + 1] - 1 for i in sampling]  # each sampling request's last new token
+        samplers = [reqs[i] for i in sampling]
+        for parent, child in sched.forks:  # stage 11: a forked child samples from its parent's row
+            rows.append(rows[samplers.index(parent)])
+            samplers.append(child)
         return ModelInput(
             input_ids=torch.tensor(token_ids, device=dev),
             positions=positions.to(dev),
             attn_metadata=meta,
-            logits_indices=torch.tensor([query_start_loc[i + 1] - 1 for i in sampling], dtype=torch.long, device=dev),
-            sampling=[reqs[i] for i in sampling],
+            logits_indices=torch.tensor(rows, dtype=torch.long, device=dev),
+            sampling=samplers,
         )
 
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> dict[str, int]:
-        """Run one step; return {request id: sampled token} for the requests that reached their end.
-        The caller (the scheduler) then advances every request's num_computed_tokens."""
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; return the sampled token of every request that reached its end (and, stage 11,
+        the log-probabilities that beam search and n > 1 need). The caller (the scheduler) then advances
+        every request's num_computed_tokens."""
         if not sched.scheduled:
-            return {}
+            return ModelRunnerOutput()
+        if sched.blocks_to_copy:  # stage 11: copy-on-write, in every layer, before anything writes
+            copies = torch.tensor(sched.blocks_to_copy, dtype=torch.long, device=self.device)  # [P, 2]
+            self.backend.copy_blocks(self.kv_cache.layers, copies)
         inp = self.prepare_inputs(sched)
         if self.use_kv_cache:
             hidden = self.model.forward_paged(inp.input_ids, inp.positions, self.kv_cache.layers, inp.attn_metadata)
             logits = self.model.compute_logits(hidden[inp.logits_indices])  # [S, V]: only the rows that sample
         else:  # the naive loop: each sampling request's whole sequence again, for its last logits
             if not inp.sampling:
-                return {}
+                return ModelRunnerOutput()
             seqs = [torch.tensor([r.token_ids(0, r.num_tokens)], device=self.device) for r in inp.sampling]
             logits = torch.cat([self.model(ids)[:, -1] for ids in seqs])  # [S, V]
-        next_ids = sample(logits, [r.params for r in inp.sampling], [r.generator for r in inp.sampling]).tolist()
-        return {r.request_id: t for r, t in zip(inp.sampling, next_ids, strict=True)}
+        return self._sample(logits, inp.sampling)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[InferenceSession]) -> ModelRunnerOutput:
+        """A token for each sampling sequence; a beam gets its whole next-token log-softmax instead (stage 11),
+        and a sequence of a group with n > 1 also the log-probability of its token."""
+        out = ModelRunnerOutput()
+        beam = [i for i, s in enumerate(seqs) if isinstance(s.params, BeamSearchParams)]
+        if beam:
+            logprobs = torch.log_softmax(logits[beam].float(), dim=-1).cpu()  # [beams, V]
+            out.beam_logprobs = {seqs[i].request_id: row for i, row in zip(beam, logprobs, strict=True)}
+        rest = sorted(set(range(len(seqs))) - set(beam))
+        if not rest:
+            return out
+        logits, seqs = logits[rest] if beam else logits, [seqs[i] for i in rest]
+        next_ids = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])  # [S]
+        out.sampled = {s.request_id: t for s, t in zip(seqs, next_ids.tolist(), strict=True)}
+        in_group = [i for i, s in enumerate(seqs) if s.params.n > 1]
+        if in_group:  # cumulative_logprob of each of the n completions
+            ids = next_ids[in_group][:, None]
+            chosen = torch.log_softmax(logits[in_group].float(), dim=-1).gather(1, ids)[:, 0].tolist()
+            out.logprobs = {seqs[i].request_id: lp for i, lp in zip(in_group, chosen, strict=True)}
+        return out

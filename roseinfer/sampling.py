@@ -35,6 +35,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings (not included in the output)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False  # keep going after EOS (benchmarks use it for exact lengths)
+    n: int = 1  # completions per prompt (stage 11): n sequences that share the prompt's KV blocks
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -53,6 +54,7 @@ class SamplingParams:
         _check(seed is None or (_is_int(seed) and lo <= seed <= hi),
                f"seed must be None or an int in [-2**63, 2**64 - 1], got {seed!r}")  # fmt: skip
         _check(isinstance(self.ignore_eos, bool), f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        _check(_is_int(self.n) and self.n >= 1, f"n must be an int >= 1, got {self.n!r}")
         for s in self.stop:
             _check(isinstance(s, str) and s != "", f"stop must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
@@ -62,14 +64,41 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
 
-    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
-        """The request's own random stream: seeded if `seed` is set, else from OS entropy."""
+    def make_generator(self, device: torch.device | str = "cpu", index: int = 0) -> torch.Generator:
+        """The random stream of completion `index`: seeded with `seed + index` if `seed` is set (so each
+        of n completions draws its own numbers, the same every run), else from OS entropy."""
         g = torch.Generator(device=device)
         if self.seed is None:
             g.seed()
         else:
-            g.manual_seed(self.seed)
+            g.manual_seed((self.seed + index) % 2**64 if self.seed >= 0 else self.seed - index)
         return g
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search (stage 11, vLLM's names): keep the `beam_width` best sequences by cumulative log-probability,
+    extend each by every token, keep the best `beam_width` again. Finished hypotheses are ranked by
+    cum_logprob / generated_length ** length_penalty, as in Hugging Face `generate(num_beams=...)`."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        w, n, lp = self.beam_width, self.max_tokens, self.length_penalty
+        _check(_is_int(w) and w >= 1, f"beam_width must be an int >= 1, got {w!r}")
+        _check(_is_int(n) and n >= 1, f"max_tokens must be an int >= 1, got {n!r}")
+        _check(isinstance(self.ignore_eos, bool), f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        _check(_is_number(lp), f"length_penalty must be a finite number, got {lp!r}")
+
+    # what the engine's sessions read from their params (class attributes, not fields): a beam never samples
+    temperature, top_k, top_p, seed, n, greedy = 0.0, -1, 1.0, None, 1, True
+    stop, stop_token_ids = (), ()
+
+    def make_generator(self, device: torch.device | str = "cpu", index: int = 0) -> torch.Generator:
+        return torch.Generator(device=device)  # never drawn from
 
 
 def _is_int(x) -> bool:

@@ -26,15 +26,19 @@ import itertools
 from collections import deque
 from typing import TYPE_CHECKING
 
+import torch
+
 from roseinfer.block_manager import AllocStatus, BlockSpaceManager
 from roseinfer.checks import check_int
 from roseinfer.outputs import RequestOutput
 from roseinfer.sampling import SamplingParams
 from roseinfer.scheduler_output import SchedulerOutput
+from roseinfer.sequence_group import SequenceGroup
 from roseinfer.session import InferenceSession
 
 if TYPE_CHECKING:
     from roseinfer.engine import InferenceEngine
+    from roseinfer.model_runner import ModelRunnerOutput
 
 
 class KVCacheFullError(RuntimeError):
@@ -74,7 +78,7 @@ class OfflineScheduler:
             batch = [s for s in self.sessions.values() if not s.finished and self._reserve_slots(s)]
             sched = SchedulerOutput(batch, {s.request_id: s.num_tokens - s.num_computed_tokens for s in batch},
                                     self.block_manager.block_tables)  # fmt: skip
-            sampled = self.model_runner.execute_model(sched)  # prefills and decodes: ONE forward
+            sampled = self.model_runner.execute_model(sched).sampled  # prefills and decodes: ONE forward
             for session in batch:
                 session.num_computed_tokens = session.num_tokens
                 session.append_token(sampled[session.request_id])
@@ -174,12 +178,18 @@ class Scheduler:
 
     def add(self, session: InferenceSession) -> None:
         """Queue a request. One that could not fit the pool even alone (prompt + max_tokens) fails here."""
-        bm = self.block_manager
-        n = min(session.num_tokens + session.params.max_tokens, session.max_context)
-        if bm.blocks_for(n) > bm.num_blocks:
+        bm, seqs = self.block_manager, self._seats(session)
+        if seqs > self.max_num_seqs:
             raise ValueError(
-                f"request needs up to {bm.blocks_for(n)} KV blocks of {bm.block_size} tokens "
-                f"({len(session.prompt_ids)} prompt + {n - len(session.prompt_ids)} new tokens), "
+                f"request asks for {seqs} sequences (n / beam_width) but max_num_seqs is {self.max_num_seqs}"
+            )
+        n = min(session.num_tokens + session.params.max_tokens, session.max_context)
+        # stage 11: n sequences share the prompt's blocks; each needs its own for the rest (+1 copied on write)
+        need = bm.blocks_for(n) + (seqs - 1) * (bm.blocks_for(n - session.num_tokens) + 1)
+        if need > bm.num_blocks:
+            raise ValueError(
+                f"request needs up to {need} KV blocks of {bm.block_size} tokens "
+                f"({len(session.prompt_ids)} prompt + {n - len(session.prompt_ids)} new tokens, {seqs} sequence(s)), "
                 f"but the whole KV cache pool has {bm.num_blocks}"
             )
         self.waiting.append(session)
@@ -187,26 +197,30 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work (see the class docstring)."""
         bm, budget = self.block_manager, self.max_num_batched_tokens
-        scheduled, num_new, preempted = [], {}, []
+        scheduled, num_new, preempted, forks = [], {}, [], []
         for session in list(self.running):  # oldest first
             if budget == 0:
                 break  # out of tokens: the rest wait one step (they keep their blocks)
             if session not in self.running:
                 break  # preempted below: it and everyone after it are gone
             n = min(session.num_tokens - session.num_computed_tokens, budget)
+            if n == 0:
+                continue  # stage 11: a beam with its next-token log-probabilities, waiting for its siblings
             while not bm.allocate_slots(session.request_id, n, self._block_hashes(session)):
-                victim = self.running[-1]  # the youngest gives its blocks back
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is session:
+                victims = self._preempt(self.running[-1])  # the youngest request gives its blocks back
+                preempted += [v.request_id for v in victims]
+                if session in victims:
                     break
             else:
                 scheduled.append(session)
                 num_new[session.request_id] = n
                 budget -= n
+                self._fork_if_sampling_n(session, n, forks)
         new, resumed = [], []
-        while not preempted and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+        while not preempted and self.waiting and budget > 0:
             session = self.waiting[0]
+            if len(self.running) + self._seats(session) > self.max_num_seqs:
+                break  # stage 11: a request with n sequences needs n places
             hashes = self._block_hashes(session)
             hits = bm.find_cached_blocks(hashes, session.num_tokens)  # stage 10: a cached prefix is shared
             num_cached = len(hits) * bm.block_size
@@ -227,32 +241,107 @@ class Scheduler:
             scheduled.append(session)
             num_new[session.request_id] = n
             budget -= n
-        return SchedulerOutput(scheduled, num_new, bm.block_tables, new, resumed, preempted)
+            self._fork_if_sampling_n(session, n, forks)
+        copies, bm.blocks_to_copy = bm.blocks_to_copy, []  # stage 11: copy-on-write, before the forward
+        return SchedulerOutput(scheduled, num_new, bm.block_tables, new, resumed, preempted, forks, copies)
 
-    def update_from_output(self, sched: SchedulerOutput, sampled: dict[str, int]) -> list[InferenceSession]:
-        """After the forward: count the computed tokens, append the sampled ones. Returns the requests
-        that got a new token (some may now be finished; the caller retires those with `finish`)."""
-        produced = []
+    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[InferenceSession]:
+        """After the forward: count the computed tokens, append the sampled ones, and let beam searches whose
+        beams all have their log-probabilities take a step. Returns the sequences that got a token (some
+        may now be finished; the caller retires those with `finish`), and the first beam of a finished search."""
         for session in sched.scheduled:
             session.num_computed_tokens += sched.num_scheduled_tokens[session.request_id]
-            if session.request_id in sampled:
-                session.append_token(sampled[session.request_id])
+        for parent, child in sched.forks:  # stage 11: forked this step, they share what the parent computed
+            child.num_computed_tokens = parent.num_computed_tokens
+        produced, searches = [], {}
+        for session in [*sched.scheduled, *(child for _, child in sched.forks)]:
+            rid = session.request_id
+            if rid in out.beam_logprobs:  # a beam: keep its distribution for the search's next step
+                session.pending_logprobs = out.beam_logprobs[rid]
+                searches[id(session.group)] = session.group
+            elif rid in out.sampled:
+                session.cumulative_logprob += out.logprobs.get(rid, 0.0)
+                session.append_token(out.sampled[rid])
                 produced.append(session)
+        for group in searches.values():
+            if all(s.pending_logprobs is not None for s in group.seqs):
+                first = group.seqs[0]
+                self._beam_step(group)
+                if group.beam.done:
+                    produced.append(first)  # its group tells the caller the search is over
         return produced
+
+    def _seats(self, session: InferenceSession) -> int:
+        """Places in `running` a waiting request will take: n for parallel sampling, beam_width for a search."""
+        group = session.group
+        if group is not None and (group.beam is None or session.output_ids):
+            return 1  # a sequence of a group that was preempted: it comes back on its own
+        return group.beam.beam_width if group is not None else session.params.n
+
+    def _fork_if_sampling_n(self, session: InferenceSession, n: int, forks: list) -> None:
+        """Stage 11: a request with n > 1 completions runs its prompt once; in the step that computes the
+        last prompt token it is forked into n sequences that share its blocks, and each samples its own token
+        from the same logits (the model runner uses the parent's row for the children)."""
+        if session.params.n == 1 or session.group is not None or session.num_computed_tokens + n < session.num_tokens:
+            return
+        group = session.group = SequenceGroup(session.request_id, [session])
+        at = self.running.index(session) + 1
+        for i in range(1, session.params.n):
+            child = session.fork(group.new_seq_id(), i, session.params.make_generator(session.generator.device, i))
+            self.block_manager.fork(session.request_id, child.request_id)
+            group.seqs.append(child)
+            self.running.insert(at + i - 1, child)
+            forks.append((session, child))
+
+    def _beam_step(self, group: SequenceGroup) -> None:
+        """One step of beam search (roseinfer/beam_search.py), then make the engine's sequences match it:
+        a beam continued twice is forked, a beam nobody continues is freed, the rest grow by a token."""
+        beams = group.seqs
+        nxt = group.beam.step(torch.stack([b.pending_logprobs for b in beams]), [b.cumulative_logprob for b in beams],
+                              [b.output_ids for b in beams])  # fmt: skip
+        for b in beams:
+            b.pending_logprobs = None
+        at = self.running.index(beams[0]) if beams[0] in self.running else len(self.running)
+        taken, new = set(), []
+        for c in nxt:  # forks first, while every parent still has exactly its old tokens
+            parent = beams[c.parent]
+            if c.parent in taken:
+                child = parent.fork(group.new_seq_id(), len(new), parent.generator)
+                self.block_manager.fork(parent.request_id, child.request_id)
+                new.append((child, c))
+            else:
+                taken.add(c.parent)
+                new.append((parent, c))
+        for i, b in enumerate(beams):
+            if i not in taken:  # lost: its blocks go back (shared ones only lose a reference)
+                self.finish(b)
+        for b, c in new:
+            if b in self.running:
+                self.running.remove(b)
+            b.output_ids.append(c.token)
+            b.cumulative_logprob = c.cum_logprob
+        group.seqs = [b for b, _ in new]
+        self.running[at:at] = group.seqs  # the group's beams side by side, best first
 
     def _block_hashes(self, session: InferenceSession) -> list[bytes]:
         """The session's full-block hashes when prefix caching is on (else none: nothing is cached)."""
         bm = self.block_manager
         return session.update_block_hashes(bm.block_size) if bm.enable_prefix_caching else []
 
-    def _preempt(self, session: InferenceSession) -> None:
-        """Preempt by recompute: drop the K/V, keep the tokens, go back to the front of the queue."""
-        self.block_manager.free(session.request_id)
-        self.running.remove(session)
-        session.num_computed_tokens = 0
-        self.waiting.appendleft(session)
-        self._preempted.add(session.request_id)
+    def _preempt(self, session: InferenceSession) -> list[InferenceSession]:
+        """Preempt by recompute: drop the K/V, keep the tokens, go back to the front of the queue. A request
+        with several sequences goes back as a whole (stage 11). Returns the sequences preempted."""
+        group = session.group.live if session.group is not None else [session]
+        victims = [s for s in group if s in self.running]
+        for s in reversed(victims):  # so that they stand in their order at the front of waiting
+            self.block_manager.free(s.request_id)
+            self.running.remove(s)
+            s.num_computed_tokens = 0
+            s.pending_logprobs = None  # a beam recomputes its distribution too
+            self.waiting.appendleft(s)
+            self._preempted.add(s.request_id)
         self.num_preemptions += 1
+        return victims
 
     def finish(self, session: InferenceSession) -> None:
         """A request ended (or was aborted): free its blocks and its place in the batch."""

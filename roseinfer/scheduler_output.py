@@ -28,6 +28,9 @@ class SchedulerOutput:
     scheduled_new_reqs: list[str] = field(default_factory=list)  # admitted for the first time
     scheduled_resumed_reqs: list[str] = field(default_factory=list)  # readmitted after a preemption
     preempted_req_ids: list[str] = field(default_factory=list)  # sent back to waiting by this step
+    # stage 11: (parent, child) sequences forked this step: the child samples from the parent's last row
+    forks: list[tuple[InferenceSession, InferenceSession]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before the forward
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -8,14 +8,19 @@ and whether (and why) it has finished.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from roseinfer.block_pool import hash_block
 from roseinfer.detokenizer import Detokenizer
-from roseinfer.outputs import RequestOutput
+from roseinfer.outputs import CompletionOutput, RequestOutput
 from roseinfer.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from roseinfer.sequence_group import SequenceGroup
 
 
 @dataclass(eq=False)  # a request is itself: compared by identity, not field by field
@@ -32,6 +37,10 @@ class InferenceSession:
     num_computed_tokens: int = 0  # tokens whose K/V are in the paged cache (stage 09: may grow in chunks)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission (stage 10)
     block_hashes: list[bytes] = field(default_factory=list)  # one per full block so far (stage 10)
+    group: SequenceGroup | None = None  # the request's other sequences, when it has several (stage 11)
+    index: int = 0  # which of the request's completions (or beams) this sequence is
+    cumulative_logprob: float = 0.0  # sum of the log-probabilities of output_ids (kept for n > 1 and beams)
+    pending_logprobs: torch.Tensor | None = None  # a beam's next-token log-probabilities [V], until its search steps
     finish_reason: str | None = None
     last_delta: str = ""  # the text that became final with the latest token (for streaming)
 
@@ -56,6 +65,13 @@ class InferenceSession:
         if start >= p:
             return self.output_ids[start - p : end - p]
         return self.prompt_ids[start:] + self.output_ids[: end - p]
+
+    def fork(self, request_id: str, index: int, generator: torch.Generator) -> InferenceSession:
+        """A child sequence (stage 11): the same tokens and KV so far, its own random stream and text."""
+        return dataclasses.replace(
+            self, request_id=request_id, index=index, generator=generator, output_ids=list(self.output_ids),
+            detokenizer=self.detokenizer.fork(), block_hashes=list(self.block_hashes),
+        )  # fmt: skip
 
     def update_block_hashes(self, block_size: int) -> list[bytes]:
         """Stage 10: the hash of every full block of the sequence so far, each computed once, each
@@ -88,4 +104,5 @@ class InferenceSession:
             finish_reason=self.finish_reason,
             delta=delta,
             num_cached_tokens=self.num_cached_tokens,
+            outputs=[CompletionOutput(0, self.detokenizer.text, list(self.output_ids), self.finish_reason)],
         )

@@ -16,8 +16,8 @@ Next to that it prints the bytes each launch must read, and the time that takes 
 per byte or two it reads, so memory bandwidth, not arithmetic, bounds it (the decode roofline).
 
 The kernels are listed once, in KERNELS: one entry per kernel with the arguments of a real launch
-at a given model shape. A new kernel in roseinfer/attention/triton_kernels.py or triton_prefill.py gets an entry
-there; tests/test_08_triton_aot.py fails until it has one.
+at a given model shape. A new kernel in a file of MODULES (roseinfer/attention/triton_kernels.py,
+triton_prefill.py, triton_copy.py) gets an entry there; tests/test_08_triton_aot.py fails until it has one.
 
 Run it without TRITON_INTERPRET: under the interpreter Triton builds no compilable kernels.
 """
@@ -41,15 +41,17 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     sys.exit("triton_aot.py: unset TRITON_INTERPRET (the interpreter's kernels cannot be compiled)")
 
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from roseinfer.attention import triton_kernels, triton_prefill  # noqa: E402
+from roseinfer.attention import triton_copy, triton_kernels, triton_prefill  # noqa: E402
 
-MODULES = [triton_kernels, triton_prefill]  # every file of roseinfer that defines and launches kernels
+MODULES = [triton_kernels, triton_prefill, triton_copy]  # every file of roseinfer that defines and launches kernels
 
 TARGETS = {"sm_80": GPUTarget("cuda", 80, 32), "sm_90": GPUTarget("cuda", 90, 32)}  # (backend, arch, warp size)
 BANDWIDTH = {"H100": 3.35e12, "A100": 2.0e12}  # bytes/s, data sheets: H100 SXM, A100 80GB SXM
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+TL_DTYPES = {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}  # a dtype as a kernel's constexpr
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class Shape:
     n_head: int  # H
     head_dim: int  # D
     n_ctx: int  # the model's context: every sequence of the launch is this long
+    n_layer: int  # layers: copy_blocks copies in all of them in one launch
     block_size: int = 16  # tokens per KV block (the engine's default)
     dtype: str = "fp16"  # the GPU default
     batch: int = 64  # sequences in the decode step
@@ -71,9 +74,9 @@ class Shape:
 
 
 SHAPES = [
-    Shape("tiny-shakespeare", n_head=4, head_dim=64, n_ctx=512),  # the bundled model
-    Shape("gpt2", n_head=12, head_dim=64, n_ctx=1024),  # GPT-2 small
-    Shape("gpt2-medium", n_head=16, head_dim=64, n_ctx=1024),
+    Shape("tiny-shakespeare", n_head=4, head_dim=64, n_ctx=512, n_layer=4),  # the bundled model
+    Shape("gpt2", n_head=12, head_dim=64, n_ctx=1024, n_layer=12),  # GPT-2 small
+    Shape("gpt2-medium", n_head=16, head_dim=64, n_ctx=1024, n_layer=24),
 ]
 
 
@@ -91,7 +94,7 @@ def f32() -> tuple[str, None]:
     return ("fp32", None)
 
 
-def const(value: int | str) -> tuple[str, int | str]:
+def const(value: int | str | tl.dtype) -> tuple[str, int | str | tl.dtype]:
     return ("constexpr", value)
 
 
@@ -130,6 +133,13 @@ PREFILL_PROMPTS, PREFILL_BLOCK_M = 4, 64  # a prefill launch: 4 whole prompts of
 def _prefill_bytes(s: Shape) -> int:  # q and out of every prompt token, and K/V of every context read once
     tokens = PREFILL_PROMPTS * s.n_ctx
     return 4 * tokens * s.n_head * s.head_dim * DTYPE_BYTES[s.dtype] + PREFILL_PROMPTS * (s.max_blocks + 2) * 4
+
+
+COPY_PAIRS = 64  # a copy_blocks launch: 64 (src, dst) pairs, e.g. 64 forked sequences writing into shared blocks
+
+
+def _block_numel(s: Shape) -> int:  # elements of one block of one pool
+    return s.block_size * s.n_head * s.head_dim
 
 
 KERNELS: dict[str, Kernel] = {
@@ -225,6 +235,20 @@ KERNELS: dict[str, Kernel] = {
         ),
         grid=lambda s: (PREFILL_PROMPTS, s.n_head, triton.cdiv(s.n_ctx, PREFILL_BLOCK_M)),
         bytes_read=_prefill_bytes,
+    ),
+    # copy-on-write: COPY_PAIRS block copies in every layer's K and V pool, one launch for all layers
+    "_copy_blocks_kernel": Kernel(
+        args=lambda s: dict(
+            cache_ptrs_ptr=ptr("i64"),
+            block_mapping_ptr=ptr("i64"),
+            numel_per_block=i32(_block_numel(s)),
+            DTYPE=const(TL_DTYPES[s.dtype]),
+            TILE=const(triton_copy._tile_for(_block_numel(s))),  # as copy_blocks_triton picks it
+        ),
+        grid=lambda s: (COPY_PAIRS, s.n_layer, triton.cdiv(_block_numel(s), triton_copy._tile_for(_block_numel(s)))),
+        bytes_read=lambda s: (
+            2 * s.n_layer * COPY_PAIRS * _block_numel(s) * DTYPE_BYTES[s.dtype] + COPY_PAIRS * 16 + s.n_layer * 16
+        ),  # the src blocks, the pairs, the pointer table
     ),
 }
 
@@ -360,7 +384,8 @@ def main() -> int:
           f"{' and '.join(TARGETS)}; fp16, block_size {args.block_size}, num_warps {results[0].num_warps}")  # fmt: skip
     print("regs = registers per thread, spill = local memory per thread in bytes, smem = shared memory per program;")
     print("each launch: a decode step of 64 sequences at the model's full context (write: their 64 new tokens),")
-    print("split-K with S = 4, prefill: 4 whole prompts of the model's context in one launch;")
+    print("split-K with S = 4, prefill: 4 whole prompts of the model's context in one launch,")
+    print(f"copy_blocks: {COPY_PAIRS} block copies in every layer's K and V (it writes as many bytes as it reads);")
     print("MB = bytes it must read; µs = that read at the full HBM bandwidth")
     head = f"{'kernel':<30} {'shape':<17} {'regs':>7} {'spill':>5} {'smem':>11}  {'widest load':<17} {'grid':<12}"
     print(f"\n{'':<49}{'sm_80 / sm_90':^25}".rstrip())

@@ -10,15 +10,17 @@ decodes first (one token each), then prefill chunks (several tokens each). The m
     seq_lens         [B] int32        tokens request b attends to after this step (earlier + new)
     block_tables     [B, max_blocks]  int32, row b = request b's physical blocks in logical order
 
-A backend provides two operations, and may prepare per-step work that every layer reuses:
+A backend provides three operations, and may prepare per-step work that every layer reuses:
     write_kv(key, value, k_cache, v_cache, slot_mapping)           scatter new K/V into the pool
     forward(q, key, value, k_cache, v_cache, meta, scale) -> out   attention for the whole batch
+    copy_blocks(kv_caches, block_mapping)                          copy-on-write, once per step before the
+                                                                   forward: block src -> dst, every layer's K and V
     prepare(meta, block_size) -> plan                              once per step, before the forward
 
     torch   `reference.py`: one request at a time, gather + masked softmax in fp32. The oracle.
     sdpa    `sdpa.py`: a flat KV write, block gathers + PyTorch's fused SDPA. The fast path on CPU.
-    triton  `triton_kernels.py` (decode) + `triton_prefill.py` (prefill chunks). CUDA, or CPU under
-            TRITON_INTERPRET=1.
+    triton  `triton_kernels.py` (decode) + `triton_prefill.py` (prefill chunks) + `triton_copy.py`
+            (copy_blocks). CUDA, or CPU under TRITON_INTERPRET=1. torch and sdpa copy blocks with the reference.
     auto    triton on CUDA, sdpa on CPU.
 """
 
@@ -31,7 +33,12 @@ from typing import Any
 
 import torch
 
-from roseinfer.attention.reference import attention_reference, paged_attention_reference, write_kv_reference
+from roseinfer.attention.reference import (
+    attention_reference,
+    copy_blocks_reference,
+    paged_attention_reference,
+    write_kv_reference,
+)
 from roseinfer.attention.sdpa import GatherBuffer, attention_sdpa, plan_sdpa, write_kv_flat
 
 __all__ = [
@@ -51,6 +58,7 @@ class AttentionBackend:
     write_kv: Callable[..., None]
     forward: Callable[..., torch.Tensor]
     prepare: Callable[[AttentionMetadata, int], Any] | None = None  # once per step: (meta, block_size) -> plan
+    copy_blocks: Callable[[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor], None] = copy_blocks_reference
 
 
 def _reference_forward(q, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -78,6 +86,7 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend:
         )
     if not _triton_importable():
         raise ValueError("attention_backend='triton' needs the triton package (pip install triton==3.7.1)")
+    from roseinfer.attention import triton_copy as tc
     from roseinfer.attention import triton_kernels as tk
     from roseinfer.attention import triton_prefill as tp
 
@@ -85,7 +94,7 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend:
         return tp.attention_triton(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                                    meta.num_decodes, meta.max_query_len, scale)  # fmt: skip
 
-    return AttentionBackend("triton", tk.write_kv_triton, forward)
+    return AttentionBackend("triton", tk.write_kv_triton, forward, copy_blocks=tc.copy_blocks_triton)
 
 
 def _triton_importable() -> bool:

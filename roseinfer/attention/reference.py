@@ -100,3 +100,72 @@ def attention_reference(
         scores = scores.masked_fill(~causal, float("-inf"))
         out[starts[b] : starts[b + 1]] = torch.einsum("htl,lhd->thd", scores.softmax(dim=-1), v).to(q.dtype)
     return out
+
+
+def copy_blocks_reference(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # one (K, V) per layer, each [num_blocks, block_size, H, D]
+    block_mapping: torch.Tensor,  # [P, 2] int64: copy physical block src -> dst, in every layer's K and V
+) -> None:
+    """Copy whole blocks inside the pools, in every layer (vLLM's `copy_blocks`): the copy of copy-on-write.
+
+    After a fork, sequences share KV blocks. Before one of them appends a token into a shared, partly filled
+    block, it gets a fresh block `dst`, and `src`'s tokens must be copied there first. A step's copies arrive
+    together as rows (src, dst) of `block_mapping`; a block id names the same block in every layer, so the one
+    list is applied to every layer's K and V pool, before the forward writes the new tokens.
+
+    The dst blocks are fresh: no pair's dst is another pair's src or dst (a src may repeat: one block copied for
+    two sequences). So the copies are independent and their order cannot matter. Otherwise it would: with
+    a -> b and b -> c, this reference (all reads, then all writes) gives c the OLD b, a kernel that runs pairs in
+    parallel gives c old b, new b or a torn mix of both, whichever its programs happen to race to; two pairs
+    with one dst race the same way. `check_copy_blocks_args` rejects such a mapping when it is on the CPU.
+    """
+    check_copy_blocks_args(kv_caches, block_mapping)
+    mapping = block_mapping.to(kv_caches[0][0].device, torch.long)  # [P, 2]
+    src, dst = mapping[:, 0], mapping[:, 1]  # [P], [P]
+    for k_cache, v_cache in kv_caches:
+        # `k_cache[src]` gathers a [P, block_size, H, D] copy of every src block, then one scatter writes them all.
+        k_cache[dst] = k_cache[src]
+        v_cache[dst] = v_cache[src]
+
+
+def check_copy_blocks_args(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_mapping: torch.Tensor) -> None:
+    """Fail loudly on what a block copy would get silently wrong (shared by the reference and the kernel).
+
+    The block ids themselves (in range, fresh dsts) are checked only when `block_mapping` is on the CPU, as
+    the scheduler builds it: reading a GPU tensor's values would stall the host until the GPU catches up.
+    """
+    if not kv_caches:
+        raise ValueError("copy_blocks: kv_caches is empty; expected one (k_cache, v_cache) pool pair per layer")
+    k0 = kv_caches[0][0]
+    if k0.dim() != 4:
+        raise ValueError(f"copy_blocks: pools must be [num_blocks, block_size, H, D], got {tuple(k0.shape)}")
+    for layer, (k_cache, v_cache) in enumerate(kv_caches):
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if (t.shape, t.dtype, t.device) != (k0.shape, k0.dtype, k0.device):
+                raise ValueError(
+                    f"copy_blocks: layer {layer}'s {name} is {tuple(t.shape)} {t.dtype} on {t.device}, but layer 0's "
+                    f"k_cache is {tuple(k0.shape)} {k0.dtype} on {k0.device}: every pool must match"
+                )
+    if not isinstance(block_mapping, torch.Tensor) or block_mapping.dim() != 2 or block_mapping.shape[1] != 2:
+        got = tuple(block_mapping.shape) if isinstance(block_mapping, torch.Tensor) else type(block_mapping).__name__
+        raise ValueError(f"copy_blocks: block_mapping must be a [P, 2] tensor of (src, dst) block ids, got {got}")
+    if block_mapping.is_floating_point() or block_mapping.is_complex() or block_mapping.dtype == torch.bool:
+        raise ValueError(f"copy_blocks: block_mapping must hold integer block ids, got {block_mapping.dtype}")
+    if block_mapping.device.type != "cpu":
+        return
+    num_blocks = k0.shape[0]
+    out_of_range = (block_mapping < 0) | (block_mapping >= num_blocks)  # [P, 2]
+    if out_of_range.any():
+        pair = out_of_range.any(dim=1).nonzero()[0, 0].item()
+        raise ValueError(
+            f"copy_blocks: pair {pair} {block_mapping[pair].tolist()} names a block outside 0..{num_blocks - 1}"
+        )
+    src, dst = block_mapping[:, 0], block_mapping[:, 1]  # [P], [P]
+    if dst.unique().numel() != dst.numel():
+        raise ValueError(f"copy_blocks: two pairs copy into the same dst block: dsts {dst.tolist()}")
+    reused = dst[torch.isin(dst, src)]  # dsts that some pair also reads
+    if reused.numel():
+        raise ValueError(
+            f"copy_blocks: block {reused[0].item()} is both a dst and a src; dst blocks must be fresh, "
+            "or the result depends on the order the copies run in"
+        )
