@@ -24,12 +24,21 @@ the tables and decides, per sequence, which blocks to share, take, register and 
 
     seq A "You are a poet. Write about the sea"   table [7, 2, 9]     block 7 ref 2, block 2 ref 2
     seq B "You are a poet. Write about a rose"    table [7, 2, 4]     (the first 32 tokens are equal)
+
+Stage 12 (swapping): a second pool of `num_cpu_blocks` blocks in host memory, with the same discipline
+(a `BlockPool` of its own: ids, reference counts, a free queue). `swap_out` moves sequences' tables
+from device blocks to host blocks, `swap_in` back; each returns the (from, to) block pairs whose
+K/V the model runner must copy before the next forward. Blocks the sequences share get one copy,
+shared as before:
+
+    swap_out(["r", "r#1"])   device tables r [7, 2, 9]  r#1 [7, 2, 4]   ->  host r [0, 1, 2]  r#1 [0, 1, 3]
+                             pairs (7, 0) (2, 1) (9, 2) (4, 3): 4 blocks move, not 6
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -86,9 +95,13 @@ class BlockSpaceManager:
         kv_cache_memory: int | None = None,
         bytes_per_token: int | None = None,
         enable_prefix_caching: bool = False,
+        num_cpu_blocks: int = 0,
+        watermark_blocks: int = 0,
     ):
         """Give `num_blocks`, or a memory budget: `kv_cache_memory` bytes / (bytes_per_token · block_size).
-        `enable_prefix_caching`: full computed blocks can be shared by later prompts that start alike."""
+        `enable_prefix_caching`: full computed blocks can be shared by later prompts that start alike.
+        Stage 12: `num_cpu_blocks` in the host pool for swapped-out sequences; `watermark_blocks` that
+        admission leaves free (see `allocate_slots`)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if num_blocks is None:
@@ -105,6 +118,10 @@ class BlockSpaceManager:
         self.num_hashed_blocks: dict[str, int] = {}  # seq id -> its first blocks offered to the prefix cache
         self.blocks_to_copy: list[tuple[int, int]] = []  # copy-on-write (src, dst) pairs the next forward must do
         self.kv_cache: KVCache | None = None  # the pool these ids index (stage 07), set by the engine
+        self.num_cpu_blocks, self.watermark_blocks = num_cpu_blocks, watermark_blocks
+        self.cpu_pool = BlockPool(num_cpu_blocks)  # stage 12: host blocks of swapped-out sequences
+        self.cpu_tables: dict[str, list[int]] = {}  # swapped-out seq id -> host block ids
+        self.host_kv_cache: KVCache | None = None  # the host pool the cpu ids index, set by the engine
 
     @property
     def free_block_ids(self) -> FreeBlockQueue:
@@ -114,6 +131,10 @@ class BlockSpaceManager:
     @property
     def enable_prefix_caching(self) -> bool:
         return self.pool.enable_caching
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.pool.free)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)  # ceil
@@ -161,7 +182,12 @@ class BlockSpaceManager:
         return self.pool.lookup(block_hashes[: (num_tokens - 1) // self.block_size])
 
     def allocate_slots(
-        self, seq_id: str, num_new_tokens: int, block_hashes: Sequence[bytes] = (), cached_blocks: Sequence[int] = ()
+        self,
+        seq_id: str,
+        num_new_tokens: int,
+        block_hashes: Sequence[bytes] = (),
+        cached_blocks: Sequence[int] = (),
+        keep_free: int = 0,
     ) -> bool:
         """Make room for `num_new_tokens` more tokens (stage 09: a decode token or a prompt chunk),
         taking whole blocks as needed; a sequence seen for the first time gets a new table, which
@@ -169,7 +195,8 @@ class BlockSpaceManager:
 
         All or nothing: if the free blocks do not cover the growth, nothing is taken and the answer
         is False (the scheduler then preempts someone, or waits). `block_hashes` are the sequence's
-        full-block hashes: blocks that are full once this step has run are offered to the cache."""
+        full-block hashes: blocks that are full once this step has run are offered to the cache.
+        `keep_free` (stage 12, the watermark at admission): succeed only if that many blocks stay free."""
         table = self.block_tables.get(seq_id)
         if table is not None and cached_blocks:
             raise ValueError(f"sequence {seq_id!r} already has blocks: a cached prefix is shared only at admission")
@@ -179,7 +206,7 @@ class BlockSpaceManager:
         # stage 11: the next token goes into a partly filled last block that a forked sibling also holds
         copy_on_write = table is not None and have % self.block_size and self.pool.ref_count[table[-1]] > 1
         reviving = sum(self.pool.ref_count[b] == 0 for b in cached_blocks)  # free cached blocks leave the queue
-        if need + reviving + copy_on_write > len(self.pool.free):
+        if need + reviving + copy_on_write + keep_free > len(self.pool.free):
             return False
         if copy_on_write:  # write into a copy of our own; the siblings keep the original
             fresh = self.pool.get_free_block()
@@ -199,6 +226,20 @@ class BlockSpaceManager:
         self.num_hashed_blocks[seq_id] = max(full, self.num_hashed_blocks[seq_id])
         return True
 
+    def blocks_needed(self, work: Sequence[tuple[str, int]]) -> int:
+        """Stage 12: free blocks that `allocate_slots` takes for these running sequences, one after the other:
+        growth plus copy-on-write copies. Of k holders of a shared last block only k - 1 copy it: the
+        last one to write finds it private. The scheduler preempts until this many blocks are free."""
+        refs: dict[int, int] = {}  # shared last blocks seen so far -> holders left
+        total = 0
+        for seq_id, n in work:
+            table, have = self.block_tables[seq_id], self.num_tokens[seq_id]
+            total += self.blocks_for(have + n) - len(table)
+            if have % self.block_size and refs.get(table[-1], self.pool.ref_count[table[-1]]) > 1:
+                refs[table[-1]] = refs.get(table[-1], self.pool.ref_count[table[-1]]) - 1
+                total += 1
+        return total
+
     def fork(self, parent_id: str, child_id: str) -> None:
         """Stage 11: the child's table is the parent's, every block shared (reference count + 1). Whichever
         of them next writes into the shared, partly filled last block copies it first (copy-on-write)."""
@@ -211,11 +252,46 @@ class BlockSpaceManager:
         self.num_tokens[child_id] = self.num_tokens[parent_id]
         self.num_hashed_blocks[child_id] = self.num_hashed_blocks.get(parent_id, 0)
 
+    # ---- swapping (stage 12) -------------------------------------------------------
+    def can_swap_out(self, seq_ids: Sequence[str]) -> bool:
+        return len(_distinct(self.block_tables[s] for s in seq_ids)) <= len(self.cpu_pool.free)
+
+    def swap_out(self, seq_ids: Sequence[str]) -> list[tuple[int, int]]:
+        """Move the sequences' blocks to host blocks and free the device ones. Returns (device, host) pairs."""
+        return self._move(seq_ids, self.block_tables, self.pool, self.cpu_tables, self.cpu_pool)
+
+    def can_swap_in(self, seq_ids: Sequence[str], headroom: int = 0) -> bool:
+        """Room on the device for the sequences' blocks and `headroom` more (the scheduler asks, as vLLM does,
+        for one block per sequence to grow into plus the watermark, unless nothing else runs)."""
+        return len(_distinct(self.cpu_tables[s] for s in seq_ids)) + headroom <= len(self.pool.free)
+
+    def swap_in(self, seq_ids: Sequence[str]) -> list[tuple[int, int]]:
+        """Move the sequences back onto fresh device blocks. Returns (host, device) pairs. The blocks that come
+        back are private: they are not offered to the prefix cache again."""
+        return self._move(seq_ids, self.cpu_tables, self.cpu_pool, self.block_tables, self.pool)
+
+    @staticmethod
+    def _move(seq_ids, src_tables, src_pool: BlockPool, dst_tables, dst_pool: BlockPool) -> list[tuple[int, int]]:
+        mapping: dict[int, int] = {}  # src block -> its dst block, in first-seen order
+        for seq_id in seq_ids:
+            table = src_tables.pop(seq_id)
+            for block in table:
+                if block in mapping:
+                    dst_pool.touch(mapping[block])  # shared in src: shared in dst, one reference per table
+                else:
+                    mapping[block] = dst_pool.get_free_block()
+            dst_tables[seq_id] = [mapping[b] for b in table]
+            for block in reversed(table):
+                src_pool.free_block(block)
+        return list(mapping.items())
+
     def free(self, seq_id: str) -> None:
         """Give a finished (or failed, or preempted) sequence's blocks back. Unknown ids are ignored.
         Shared blocks only lose a reference; the tail goes first, so it is the first to be reused."""
         for block in reversed(self.block_tables.pop(seq_id, [])):
             self.pool.free_block(block)
+        for block in reversed(self.cpu_tables.pop(seq_id, [])):  # stage 12: a sequence aborted while swapped
+            self.cpu_pool.free_block(block)
         self.num_tokens.pop(seq_id, None)
         self.num_hashed_blocks.pop(seq_id, None)
 
@@ -250,4 +326,10 @@ class BlockSpaceManager:
             "ref_counts": {b: self.pool.ref_count[b] for b in sorted(in_use)},  # stage 10
             "free_queue": list(self.pool.free),  # least recently freed first
             "cached_blocks": sorted(self.pool.cached.values()),  # blocks findable by their prefix's hash
+            "cpu_tables": {s: list(t) for s, t in self.cpu_tables.items()},  # stage 12: swapped out
+            "swap_blocks_used": self.num_cpu_blocks - len(self.cpu_pool.free),
         }
+
+
+def _distinct(tables: Iterable[list[int]]) -> set[int]:
+    return {b for t in tables for b in t}

@@ -41,6 +41,21 @@ def check_bool(name: str, value) -> None:
         raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
 
 
+def check_swap_args(watermark, preemption_mode, swap_space) -> None:
+    """Stage 12: the watermark is a fraction of the pool in [0, 1), swap_space GiB >= 0 that the host has."""
+    for name, value, high, allowed in (("watermark", watermark, 1, "a number in [0, 1)"),
+                                       ("swap_space", swap_space, float("inf"), "a finite number >= 0")):  # fmt: skip
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise TypeError(f"{name} must be {allowed}, got {value!r} ({type(value).__name__})")
+        if not 0 <= value < high:  # nan fails both comparisons: refused
+            raise ValueError(f"{name} must be {allowed}, got {value}")
+    if preemption_mode not in (None, "recompute", "swap"):
+        raise ValueError(f"preemption_mode must be None, 'recompute' or 'swap', got {preemption_mode!r}")
+    total = _memory_bytes(torch.device("cpu"))
+    if total is not None and swap_space * 2**30 > total:
+        raise ValueError(f"swap_space={swap_space} GiB is more than the host's {total / 2**30:.1f} GiB of memory")
+
+
 def check_engine_args(use_kv_cache, block_size, num_blocks, kv_cache_memory, gpu_memory_utilization,
                       attention_backend) -> None:  # fmt: skip
     """InferenceEngine's arguments, before anything is loaded."""

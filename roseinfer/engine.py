@@ -81,12 +81,19 @@ class InferenceEngine:
         """K and V, every layer: 2 · n_layer · n_embd · bytes per element."""
         return 2 * self.config.n_layer * self.config.n_embd * self.dtype.itemsize
 
-    def make_block_manager(self, enable_prefix_caching: bool = False) -> BlockSpaceManager:
+    def make_block_manager(
+        self, enable_prefix_caching: bool = False, swap_space: float = 0, watermark: float = 0.0
+    ) -> BlockSpaceManager:
         """A block manager for a KV pool of `num_blocks`; else of `kv_cache_memory` bytes; else, on
-        CUDA, of what fits in `gpu_memory_utilization` of the card; else 256 MiB."""
-        return BlockSpaceManager(self.block_size, self.num_blocks, kv_cache_memory=self._kv_budget(),
-                                 bytes_per_token=self.kv_bytes_per_token,
-                                 enable_prefix_caching=enable_prefix_caching)  # fmt: skip
+        CUDA, of what fits in `gpu_memory_utilization` of the card; else 256 MiB. Stage 12: a host pool
+        of `swap_space` GiB for swapped-out sequences, and `watermark` (a fraction of the pool) kept free
+        at admission."""
+        num_cpu_blocks = int(swap_space * 2**30) // (self.kv_bytes_per_token * self.block_size)
+        bm = BlockSpaceManager(self.block_size, self.num_blocks, kv_cache_memory=self._kv_budget(),
+                               bytes_per_token=self.kv_bytes_per_token, enable_prefix_caching=enable_prefix_caching,
+                               num_cpu_blocks=num_cpu_blocks)  # fmt: skip
+        bm.watermark_blocks = int(watermark * bm.num_blocks)  # as vLLM: 1% of a pool of 1,000 blocks keeps 10 free
+        return bm
 
     def _kv_budget(self) -> int:
         if self.kv_cache_memory:
@@ -105,8 +112,12 @@ class InferenceEngine:
 
     def make_runner(self, block_manager: BlockSpaceManager) -> ModelRunner:
         """A model runner over the pool behind `block_manager`."""
-        return ModelRunner(self.model, self.kv_cache_for(block_manager), self.attn_backend, self.device,
-                           use_kv_cache=self.use_kv_cache)  # fmt: skip
+        bm = block_manager
+        if bm.num_cpu_blocks and bm.host_kv_cache is None:  # stage 12: the swap pool, in host memory
+            bm.host_kv_cache = KVCache(self.config, bm.num_cpu_blocks, bm.block_size, self.dtype, self.device,
+                                       host=True)  # fmt: skip
+        return ModelRunner(self.model, self.kv_cache_for(bm), self.attn_backend, self.device,
+                           use_kv_cache=self.use_kv_cache, host_kv_cache=bm.host_kv_cache)  # fmt: skip
 
     # ---- input checks -------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:

@@ -9,6 +9,9 @@ Layout, per layer:   K, V : [num_blocks, block_size, n_head, head_dim]
 A token's slot number is `block_id * block_size + offset`, so a flat view of the pool
 `[num_blocks * block_size, H, D]` is indexed by slot directly. One block id covers all
 layers: the block manager hands out ids, every layer's pool uses the same ones.
+
+Stage 12 adds a second pool of the same layout in host memory (`host=True`), for sequences that are
+swapped out, and `swap_blocks`, which copies whole blocks between the two.
 """
 
 from __future__ import annotations
@@ -24,12 +27,37 @@ def bytes_per_block(config: GPT2Config, block_size: int, dtype: torch.dtype) -> 
 
 
 class KVCache:
-    def __init__(self, config: GPT2Config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        config: GPT2Config,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        host: bool = False,
+    ):
+        """`host=True` (stage 12): the swap pool, in CPU memory, pinned when the device is a GPU (so that copies
+        to and from it can be asynchronous), and left uninitialised: a swap-out writes every block before
+        it is read, and untouched pages of a large swap space cost no memory."""
         shape = (num_blocks, block_size, config.n_head, config.head_dim)
-        # zeros, not empty: the reference attention masks unused slots, but NaN garbage is a bad default
-        self.layers: list[KV] = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(config.n_layer)
-        ]
+
+        def new() -> torch.Tensor:
+            if host:
+                return torch.empty(shape, dtype=dtype, pin_memory=torch.device(device).type == "cuda")
+            # zeros, not empty: the reference attention masks unused slots, but NaN garbage is a bad default
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.layers: list[KV] = [(new(), new()) for _ in range(config.n_layer)]
         self.num_blocks, self.block_size = num_blocks, block_size
         self.nbytes = num_blocks * bytes_per_block(config, block_size, dtype)
+
+
+def swap_blocks(src: list[KV], dst: list[KV], block_mapping: list[tuple[int, int]]) -> None:
+    """Stage 12: copy whole blocks from one pool to the other, in every layer: block s of `src` to block d of
+    `dst` for each (s, d). Device -> host swaps out, host -> device swaps in. A block is one contiguous
+    [block_size, H, D] slab, so each pair is one copy per layer and per K/V; from or to pinned memory
+    they are asynchronous on CUDA (ordered on the stream before the forward that reads them)."""
+    for (src_k, src_v), (dst_k, dst_v) in zip(src, dst, strict=True):
+        for s, d in block_mapping:
+            dst_k[d].copy_(src_k[s], non_blocking=True)
+            dst_v[d].copy_(src_v[s], non_blocking=True)

@@ -39,18 +39,25 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         enable_chunked_prefill: bool = True,
         enable_prefix_caching: bool = True,
+        watermark: float = 0.01,
+        preemption_mode: str | None = None,
+        swap_space: float = 4,
     ):
         """`block_size`, `num_blocks` / `kv_cache_memory` (bytes; CPU default 256 MiB) /
         `gpu_memory_utilization` (CUDA) size the KV pool; `max_num_seqs` caps how many
         requests run together and `max_num_batched_tokens` how many tokens one step computes
         (default 2048), with long prompts cut into chunks if `enable_chunked_prefill`; with
         `enable_prefix_caching` prompts that start alike share the K/V blocks of that start.
-        `attention_backend`: 'auto' (triton on CUDA, sdpa on CPU), 'torch', 'sdpa' or 'triton'."""
+        `attention_backend`: 'auto' (triton on CUDA, sdpa on CPU), 'torch', 'sdpa' or 'triton'.
+        Preemption when the pool runs out: `preemption_mode` None (recompute a request with one sequence,
+        swap one with several), 'recompute' or 'swap', into a host pool of `swap_space` GiB; admission
+        keeps a `watermark` fraction of the pool free."""
         self.llm_engine = LLMEngine(
             model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization,
             attention_backend=attention_backend, max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching,
+            watermark=watermark, preemption_mode=preemption_mode, swap_space=swap_space,
         )  # fmt: skip
         self.engine = self.llm_engine.engine
         self.tokenizer = self.llm_engine.tokenizer

@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from roseinfer.beam_search import BeamSearchState
-from roseinfer.checks import check_bool, check_int
+from roseinfer.checks import check_bool, check_int, check_swap_args
 from roseinfer.engine import InferenceEngine
 from roseinfer.outputs import CompletionOutput, RequestOutput
 from roseinfer.sampling import BeamSearchParams, SamplingParams
@@ -50,28 +50,35 @@ class LLMEngine:
         max_num_batched_tokens: int | None = None,
         enable_chunked_prefill: bool = True,
         enable_prefix_caching: bool = True,
+        watermark: float = 0.01,
+        preemption_mode: str | None = None,
+        swap_space: float = 4,
     ):
         """`max_num_batched_tokens`: tokens one step may compute (default 2048, or the model's context
         if larger and chunked prefill is off); `enable_chunked_prefill`: cut long prompts into chunks
         that fit the budget, so running requests keep decoding while a long prompt is prefilled;
-        `enable_prefix_caching`: requests whose prompts start alike share the K/V blocks of that start."""
+        `enable_prefix_caching`: requests whose prompts start alike share the K/V blocks of that start.
+        Stage 12 (vLLM's names and defaults): `watermark`, the fraction of KV blocks that admitting a new
+        request must leave free; `preemption_mode` None (recompute a request with one sequence, swap one
+        with several), "recompute" or "swap"; `swap_space`, GiB of host memory for swapped-out blocks."""
         check_int("max_num_seqs", max_num_seqs)  # before loading anything
         check_int("max_num_batched_tokens", max_num_batched_tokens, none_ok=True)
         check_bool("enable_chunked_prefill", enable_chunked_prefill)
         check_bool("enable_prefix_caching", enable_prefix_caching)
+        check_swap_args(watermark, preemption_mode, swap_space)
         self.engine = InferenceEngine(
             model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
             attention_backend=attention_backend,
         )  # fmt: skip
         self.tokenizer = self.engine.tokenizer
-        self.block_manager = self.engine.make_block_manager(enable_prefix_caching)
+        self.block_manager = self.engine.make_block_manager(enable_prefix_caching, swap_space, watermark)
         self.model_runner = self.engine.make_runner(self.block_manager)  # allocates the KV pool now
         n_ctx = self.engine.config.n_positions
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, n_ctx)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
-                                   max_model_len=n_ctx)  # fmt: skip
+                                   max_model_len=n_ctx, preemption_mode=preemption_mode)  # fmt: skip
         self.sessions: dict[str, InferenceSession] = {}  # unfinished requests by id
         self.trace: list[dict] | None = None  # set to [] to record every step (notebooks, examples)
         self.num_steps = 0
@@ -135,7 +142,7 @@ class LLMEngine:
 
     def get_stats(self) -> dict[str, int]:
         """Counters since the engine started (vLLM's names): prefix-cache lookups and hits in tokens,
-        preemptions, and KV blocks in use (held by a request) out of the pool."""
+        preemptions, and KV blocks in use (held by a request) out of the pool; stage 12: swaps and host blocks."""
         sched, bm = self.scheduler, self.block_manager
         return {
             "prefix_cache_queries": sched.prefix_cache_queries,
@@ -144,6 +151,10 @@ class LLMEngine:
             "kv_blocks_used": bm.stats().used_blocks,
             "kv_blocks_total": bm.num_blocks,
             "kv_blocks_cached": len(bm.pool.cached),  # full blocks findable by their prefix, in use or free
+            "num_swapped_out": sched.num_swapped_out,  # stage 12: requests swapped out / in
+            "num_swapped_in": sched.num_swapped_in,
+            "swap_blocks_used": bm.num_cpu_blocks - len(bm.cpu_pool.free),  # host blocks held by swapped requests
+            "swap_blocks_total": bm.num_cpu_blocks,
         }
 
     def reset_prefix_cache(self) -> None:
@@ -190,6 +201,9 @@ class LLMEngine:
             "preempted_req_ids": sched.preempted_req_ids,
             "finished": [s.request_id for s in sched.scheduled if s.finished],
             "waiting": [s.request_id for s in self.scheduler.waiting],
+            "swapped": [s.request_id for s in self.scheduler.swapped],
+            "blocks_to_swap_out": list(sched.blocks_to_swap_out),
+            "blocks_to_swap_in": list(sched.blocks_to_swap_in),
             "running": [s.request_id for s in self.scheduler.running],
             "preemptions": self.scheduler.num_preemptions,
             **self.block_manager.snapshot(),

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from roseinfer.attention import AttentionBackend, AttentionMetadata, GatherBuffer
-from roseinfer.kv_cache import KVCache
+from roseinfer.kv_cache import KVCache, swap_blocks
 from roseinfer.model import GPT2
 from roseinfer.sampling import BeamSearchParams, sample
 from roseinfer.scheduler_output import SchedulerOutput
@@ -59,8 +59,10 @@ class ModelRunner:
         backend: AttentionBackend,
         device: torch.device,
         use_kv_cache: bool = True,
+        host_kv_cache: KVCache | None = None,
     ):
         self.model, self.kv_cache, self.backend, self.device = model, kv_cache, backend, device
+        self.host_kv_cache = host_kv_cache  # stage 12: the swap pool in host memory
         self.block_size = kv_cache.block_size
         self.use_kv_cache = use_kv_cache  # False: the naive stage-01 loop (whole sequence, no cache)
         self.gather_buffer = GatherBuffer()  # scratch reused by every step (see roseinfer/attention/sdpa.py)
@@ -124,6 +126,10 @@ class ModelRunner:
         """Run one step; return the sampled token of every request that reached its end (and, stage 11,
         the log-probabilities that beam search and n > 1 need). The caller (the scheduler) then advances
         every request's num_computed_tokens."""
+        if sched.blocks_to_swap_out:  # stage 12: even in a step that runs nothing, before the blocks are reused
+            swap_blocks(self.kv_cache.layers, self.host_kv_cache.layers, sched.blocks_to_swap_out)
+        if sched.blocks_to_swap_in:
+            swap_blocks(self.host_kv_cache.layers, self.kv_cache.layers, sched.blocks_to_swap_in)
         if not sched.scheduled:
             return ModelRunnerOutput()
         if sched.blocks_to_copy:  # stage 11: copy-on-write, in every layer, before anything writes

@@ -1,152 +1,65 @@
-"""Schedulers: which requests run at each step.
+"""The continuous-batching scheduler: which requests run at each step, and with how many tokens.
 
-`OfflineScheduler` (stages 03-05) starts every request at once and steps them until all
-are done. `Scheduler` (stage 06, below) does continuous batching.
-
-Stage 03 keeps it simple: every `step()` walks the unfinished sessions in the order
-they arrived and advances each by one token (round-robin). A request's first turn is
-its prefill, the next ones are single-token decodes:
-
-    step 1:  A(prefill) B(prefill) C(prefill)
-    step 2:  A B C
-    step 3:  A   C          (B finished: it simply drops out)
-
-Stage 04 adds the block manager: a session's first turn allocates blocks for its
-prompt, each later turn one slot for the token it feeds, and a finished session gives
-its blocks back at once. A session that cannot get a block waits for a later step.
-
-Stage 05: the sessions that decode in a step share ONE batched forward pass; only
-prefills still ran one by one. Stage 09: both schedulers hand their step to the model runner
-as a `SchedulerOutput`, and the whole step (prefills and decodes) is one forward pass.
+(The stage-03 `OfflineScheduler`, which starts every request at once, is in
+`roseinfer/offline_scheduler.py`; this module still exports it.)
 """
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from typing import TYPE_CHECKING
 
 import torch
 
-from roseinfer.block_manager import AllocStatus, BlockSpaceManager
+from roseinfer.block_manager import BlockSpaceManager
 from roseinfer.checks import check_int
-from roseinfer.outputs import RequestOutput
-from roseinfer.sampling import SamplingParams
+from roseinfer.offline_scheduler import KVCacheFullError, OfflineScheduler
 from roseinfer.scheduler_output import SchedulerOutput
 from roseinfer.sequence_group import SequenceGroup
 from roseinfer.session import InferenceSession
 
 if TYPE_CHECKING:
-    from roseinfer.engine import InferenceEngine
     from roseinfer.model_runner import ModelRunnerOutput
 
-
-class KVCacheFullError(RuntimeError):
-    pass
-
-
-class OfflineScheduler:
-    def __init__(self, engine: InferenceEngine, block_manager: BlockSpaceManager | None = None, trace: bool = False):
-        self.engine = engine
-        self.block_manager = block_manager or engine.make_block_manager()
-        self.model_runner = engine.make_runner(self.block_manager)
-        self.sessions: dict[str, InferenceSession] = {}  # insertion order = arrival order
-        self.trace: list[dict] | None = [] if trace else None  # block tables after each step
-        self.num_steps = 0
-        self._ids = itertools.count()
-
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> str:
-        """Check and queue a request; bad input raises here and leaves the queue untouched."""
-        request_id = str(next(self._ids))
-        session = self.engine.new_session(request_id, prompt, params or SamplingParams())
-        bm = self.block_manager
-        if bm.can_allocate(len(session.prompt_ids)) is AllocStatus.NEVER:
-            raise ValueError(
-                f"prompt needs {bm.blocks_for(len(session.prompt_ids))} KV blocks of {bm.block_size} tokens, "
-                f"but the whole KV cache pool has {bm.num_blocks}"
-            )
-        self.sessions[request_id] = session
-        return request_id
-
-    def has_unfinished(self) -> bool:
-        return any(not s.finished for s in self.sessions.values())
-
-    def step(self) -> list[str]:
-        """Advance every unfinished session that can get its KV slots by one token; return the ids that ran."""
-        ran = []
-        try:
-            batch = [s for s in self.sessions.values() if not s.finished and self._reserve_slots(s)]
-            sched = SchedulerOutput(batch, {s.request_id: s.num_tokens - s.num_computed_tokens for s in batch},
-                                    self.block_manager.block_tables)  # fmt: skip
-            sampled = self.model_runner.execute_model(sched).sampled  # prefills and decodes: ONE forward
-            for session in batch:
-                session.num_computed_tokens = session.num_tokens
-                session.append_token(sampled[session.request_id])
-                ran.append(session.request_id)
-                if session.finished:
-                    self.block_manager.free(session.request_id)
-            if not ran and self.has_unfinished():
-                bm = self.block_manager
-                raise KVCacheFullError(
-                    f"KV cache pool exhausted: all {bm.num_blocks} blocks are held by unfinished requests that "
-                    f"each need one more; give the engine more KV memory (num_blocks / kv_cache_memory)"
-                )
-        except BaseException:
-            self.free_all()
-            raise
-        self.num_steps += 1
-        if self.trace is not None:
-            self.trace.append({"step": self.num_steps, "ran": ran, **self.block_manager.snapshot()})
-        return ran
-
-    def _reserve_slots(self, session: InferenceSession) -> bool:
-        """Book the KV slots this turn writes: the prompt at prefill, one token per decode."""
-        bm, rid = self.block_manager, session.request_id
-        if rid not in bm.block_tables:
-            if bm.can_allocate(len(session.prompt_ids)) is not AllocStatus.OK:
-                return False  # LATER: wait until someone finishes
-            bm.allocate(rid, len(session.prompt_ids))
-            return True
-        if not bm.can_append_slot(rid):
-            return False
-        bm.append_slot(rid)
-        return True
-
-    def free_all(self) -> None:
-        """Give back every block this scheduler's sessions hold (after an error)."""
-        for rid in self.sessions:
-            self.block_manager.free(rid)
-
-    def run(self) -> dict[str, RequestOutput]:
-        """Step until every request has finished; return {request_id: output}."""
-        while self.has_unfinished():
-            self.step()
-        return {rid: s.output() for rid, s in self.sessions.items()}
+__all__ = ["KVCacheFullError", "OfflineScheduler", "Scheduler"]
+PREEMPTION_MODES = (None, "recompute", "swap")
 
 
 class Scheduler:
-    """Continuous batching (stage 06) under a token budget (stage 09), as in vLLM v1.
+    """Continuous batching (stage 06) under a token budget (stage 09), as in vLLM.
 
-    Two queues. `waiting`: requests not running (new, or preempted), FCFS. `running`: requests
-    that hold KV blocks. There are no prefill and decode phases: a request has `num_tokens` (prompt
-    + generated) and `num_computed_tokens` (those whose K/V are in the cache), and each step hands
-    out at most `max_num_batched_tokens` tokens of work:
+    Three queues. `waiting`: requests not running (new, or preempted by recompute), FCFS. `running`:
+    requests that hold KV blocks. `swapped` (stage 12): preempted requests whose blocks are in the
+    host pool. There are no prefill and decode phases: a request has `num_tokens` (prompt + generated)
+    and `num_computed_tokens` (those whose K/V are in the cache), and each step hands out at most
+    `max_num_batched_tokens` tokens of work:
 
       1. running requests first, oldest first: each gets what it still lacks, which is one token
          for a decode, or the rest of a prompt (a chunk of it if the budget is short). Its KV slots
-         are booked; when the pool is out of blocks the youngest running request is preempted by
-         recompute (stage 07: blocks freed, back to the front of `waiting`, num_computed_tokens 0);
-      2. then waiting requests, oldest first, while fewer than `max_num_seqs` run, tokens are
-         left and the block manager can book the slots (else wait: nobody overtakes). With
-         `enable_chunked_prefill` a prompt longer than the tokens left is cut: its first chunk now,
-         the rest in later steps. Nothing is admitted in a step that had to preempt. Stage 10:
-         with prefix caching, the longest run of a request's first full blocks that is already in
-         the cache is shared, and it starts with num_computed_tokens past them;
-      3. the result is a `SchedulerOutput`; after the model runner has run it,
+         are booked; while the pool lacks the blocks, the youngest running request is preempted
+         (below). A request with several sequences (stage 11) is booked and preempted as one;
+      2. then, if this step preempted nobody, swapped requests come back, oldest first, while their
+         blocks fit above the watermark;
+      3. then, if nobody is left swapped, waiting requests, oldest first, while fewer than
+         `max_num_seqs` run, tokens are left and the block manager can book the slots and still keep
+         `watermark_blocks` free (else wait: nobody overtakes). With `enable_chunked_prefill` a
+         prompt longer than the tokens left is cut: its first chunk now, the rest in later steps.
+         Stage 10: with prefix caching, the longest run of a request's first full blocks that is
+         already in the cache is shared, and it starts with num_computed_tokens past them;
+      4. the result is a `SchedulerOutput`; after the model runner has run it,
          `update_from_output` advances every request and appends the sampled tokens.
 
         budget 64, running A B (decoding), C (prompt of 100, 48 computed), waiting D (prompt 30)
         step:  A 1 · B 1 · C 52 (its rest) · D 10 (a first chunk)     = 64 tokens, one forward
+
+    Preemption (`preemption_mode`, vLLM's names): "recompute" frees the blocks and sends the request
+    to the front of `waiting` with num_computed_tokens 0 (its tokens are kept; stage 07); "swap"
+    (stage 12) copies its blocks to the host pool and parks it in `swapped` with everything computed
+    kept. None: recompute for a request with one sequence, swap for one with several. When the host
+    pool is full, a swap falls back to recompute.
+
+    The watermark (stage 12) applies to admission only, and only while something else runs: with
+    nothing running there is nobody to protect, and a request that fits the pool must not wait forever.
     """
 
     def __init__(
@@ -156,9 +69,12 @@ class Scheduler:
         max_num_batched_tokens: int = 2048,
         enable_chunked_prefill: bool = True,
         max_model_len: int | None = None,
+        preemption_mode: str | None = None,
     ):
         check_int("max_num_seqs", max_num_seqs)
         check_int("max_num_batched_tokens", max_num_batched_tokens)
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
         if not enable_chunked_prefill and max_model_len and max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) is smaller than the model's context "
@@ -169,9 +85,13 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.preemption_mode = preemption_mode
         self.waiting: deque[InferenceSession] = deque()
         self.running: list[InferenceSession] = []
+        self.swapped: deque[InferenceSession] = deque()  # stage 12: oldest first, their blocks in the host pool
         self.num_preemptions = 0
+        self.num_swapped_out = 0  # stage 12: requests swapped out / in since the start
+        self.num_swapped_in = 0
         self._preempted: set[str] = set()  # ids that were preempted and have not run since
         self.prefix_cache_queries = 0  # tokens of admitted requests looked up in the prefix cache (stage 10)
         self.prefix_cache_hits = 0  # ... and found there
@@ -197,27 +117,34 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work (see the class docstring)."""
         bm, budget = self.block_manager, self.max_num_batched_tokens
-        scheduled, num_new, preempted, forks = [], {}, [], []
-        for session in list(self.running):  # oldest first
+        out = SchedulerOutput([], {}, bm.block_tables)
+        for unit in _units(self.running):  # oldest first; a unit is a request's running sequences
             if budget == 0:
                 break  # out of tokens: the rest wait one step (they keep their blocks)
-            if session not in self.running:
+            if unit[0] not in self.running:
                 break  # preempted below: it and everyone after it are gone
-            n = min(session.num_tokens - session.num_computed_tokens, budget)
-            if n == 0:
-                continue  # stage 11: a beam with its next-token log-probabilities, waiting for its siblings
-            while not bm.allocate_slots(session.request_id, n, self._block_hashes(session)):
-                victims = self._preempt(self.running[-1])  # the youngest request gives its blocks back
-                preempted += [v.request_id for v in victims]
-                if session in victims:
+            plan = self._plan(unit, budget)
+            while bm.blocks_needed([(s.request_id, n) for s, n in plan]) > bm.num_free_blocks:
+                self._preempt(self.running[-1], out)  # the youngest request gives its blocks back
+                if unit[0] not in self.running:
                     break
             else:
-                scheduled.append(session)
-                num_new[session.request_id] = n
-                budget -= n
-                self._fork_if_sampling_n(session, n, forks)
-        new, resumed = [], []
-        while not preempted and self.waiting and budget > 0:
+                budget = self._book(plan, budget, out)
+        while not out.preempted_req_ids and self.swapped:  # stage 12: swapped requests come back first
+            unit = _units(self.swapped)[0]
+            ids = [s.request_id for s in unit]
+            headroom = len(ids) + bm.watermark_blocks if self.running else 0  # alone, it fits: add() checked
+            if len(self.running) + len(unit) > self.max_num_seqs or not bm.can_swap_in(ids, headroom):
+                break
+            out.blocks_to_swap_in += bm.swap_in(ids)
+            for _ in unit:
+                self.running.append(self.swapped.popleft())
+            out.scheduled_resumed_reqs += ids
+            self.num_swapped_in += 1
+            plan = self._plan(unit, budget)
+            if bm.blocks_needed([(s.request_id, n) for s, n in plan]) <= bm.num_free_blocks:
+                budget = self._book(plan, budget, out)  # else it computes next step
+        while not out.preempted_req_ids and not self.swapped and self.waiting and budget > 0:
             session = self.waiting[0]
             if len(self.running) + self._seats(session) > self.max_num_seqs:
                 break  # stage 11: a request with n sequences needs n places
@@ -228,7 +155,8 @@ class Scheduler:
             if n > budget and not self.enable_chunked_prefill:
                 break  # the whole prompt does not fit this step's budget: wait for a step with room
             n = min(n, budget)
-            if not bm.allocate_slots(session.request_id, n, hashes, hits):
+            keep = bm.watermark_blocks if self.running else 0  # stage 12: leave room for the running to grow
+            if not bm.allocate_slots(session.request_id, n, hashes, hits, keep_free=keep):
                 break  # LATER: FCFS, nobody overtakes the oldest waiting request
             session.num_computed_tokens = num_cached  # the shared blocks' K/V are there: start after them
             if session.request_id not in self._preempted:
@@ -236,14 +164,34 @@ class Scheduler:
             self.prefix_cache_queries += session.num_tokens
             self.prefix_cache_hits += num_cached
             self.running.append(self.waiting.popleft())
-            (resumed if session.request_id in self._preempted else new).append(session.request_id)
-            self._preempted.discard(session.request_id)
-            scheduled.append(session)
-            num_new[session.request_id] = n
+            rid = session.request_id
+            (out.scheduled_resumed_reqs if rid in self._preempted else out.scheduled_new_reqs).append(rid)
+            self._preempted.discard(rid)
+            budget = self._book([(session, n)], budget, out, booked=True)
+        out.blocks_to_copy, bm.blocks_to_copy = bm.blocks_to_copy, []  # stage 11: copy-on-write, before the forward
+        return out
+
+    def _plan(self, unit: list[InferenceSession], budget: int) -> list[tuple[InferenceSession, int]]:
+        """The tokens each sequence of a unit computes this step, within the budget: what it still lacks
+        (0 for a beam that waits for its siblings' log-probabilities: stage 11)."""
+        plan = []
+        for s in unit:
+            n = min(s.num_tokens - s.num_computed_tokens, budget)
+            if n:
+                plan.append((s, n))
+                budget -= n
+        return plan
+
+    def _book(self, plan, budget: int, out: SchedulerOutput, booked: bool = False) -> int:
+        """Book the slots of a plan whose blocks are known to be free, schedule it, return the budget left."""
+        for s, n in plan:
+            if not booked and not self.block_manager.allocate_slots(s.request_id, n, self._block_hashes(s)):
+                raise AssertionError(f"blocks_needed promised room for {s.request_id!r}")
+            out.scheduled.append(s)
+            out.num_scheduled_tokens[s.request_id] = n
             budget -= n
-            self._fork_if_sampling_n(session, n, forks)
-        copies, bm.blocks_to_copy = bm.blocks_to_copy, []  # stage 11: copy-on-write, before the forward
-        return SchedulerOutput(scheduled, num_new, bm.block_tables, new, resumed, preempted, forks, copies)
+            self._fork_if_sampling_n(s, n, out.forks)
+        return budget
 
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[InferenceSession]:
         """After the forward: count the computed tokens, append the sampled ones, and let beam searches whose
@@ -328,29 +276,56 @@ class Scheduler:
         bm = self.block_manager
         return session.update_block_hashes(bm.block_size) if bm.enable_prefix_caching else []
 
-    def _preempt(self, session: InferenceSession) -> list[InferenceSession]:
-        """Preempt by recompute: drop the K/V, keep the tokens, go back to the front of the queue. A request
-        with several sequences goes back as a whole (stage 11). Returns the sequences preempted."""
+    def _preempt(self, session: InferenceSession, out: SchedulerOutput) -> None:
+        """Preempt a request: all of its running sequences (stage 11), by swapping them out when the mode
+        says so and the host pool has room (stage 12), else by recompute."""
         group = session.group.live if session.group is not None else [session]
         victims = [s for s in group if s in self.running]
-        for s in reversed(victims):  # so that they stand in their order at the front of waiting
-            self.block_manager.free(s.request_id)
+        ids = [s.request_id for s in victims]
+        mode = self.preemption_mode or ("swap" if _max_num_seqs(session) > 1 else "recompute")
+        swap = mode == "swap" and self.block_manager.can_swap_out(ids)
+        if swap:  # K/V to the host pool; everything computed, a beam's log-probabilities too, is kept
+            out.blocks_to_swap_out += self.block_manager.swap_out(ids)
+            self.num_swapped_out += 1
+        for s in reversed(victims):  # so that they stand in their order at the front of their queue
             self.running.remove(s)
+            if swap:
+                self.swapped.appendleft(s)
+                continue
+            self.block_manager.free(s.request_id)  # recompute: drop the K/V, keep the tokens
             s.num_computed_tokens = 0
             s.pending_logprobs = None  # a beam recomputes its distribution too
             self.waiting.appendleft(s)
             self._preempted.add(s.request_id)
+        out.preempted_req_ids += ids
         self.num_preemptions += 1
-        return victims
 
     def finish(self, session: InferenceSession) -> None:
-        """A request ended (or was aborted): free its blocks and its place in the batch."""
+        """A request ended (or was aborted): free its blocks (stage 12: on the device or in the host pool) and
+        its place in the batch."""
         self.block_manager.free(session.request_id)
         self._preempted.discard(session.request_id)
-        if session in self.running:
-            self.running.remove(session)
-        elif session in self.waiting:
-            self.waiting.remove(session)
+        for queue in (self.running, self.waiting, self.swapped):
+            if session in queue:
+                queue.remove(session)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
+
+
+def _units(queue) -> list[list[InferenceSession]]:
+    """A queue's sequences by request: the sequences of a group stand side by side (stage 11), and are
+    booked, preempted and swapped together (stage 12)."""
+    units: list[list[InferenceSession]] = []
+    for s in queue:
+        if units and s.group is not None and units[-1][0].group is s.group:
+            units[-1].append(s)
+        else:
+            units.append([s])
+    return units
+
+
+def _max_num_seqs(session: InferenceSession) -> int:
+    """The sequences a request runs at most (vLLM's get_max_num_running_seqs): n, or the beam width."""
+    group = session.group
+    return group.beam.beam_width if group is not None and group.beam is not None else session.params.n

@@ -11,6 +11,10 @@ The scheduler decides, the model runner executes, and this is all that passes be
 A request only gets a next token when the step brings it to the end of its sequence
 (num_computed_tokens + num_scheduled_tokens == num_tokens); a prompt chunk that stops short of the
 end only fills the KV cache.
+
+Before the forward the runner moves blocks, in this order: swap-outs (stage 12: their device blocks may
+be handed to others in this very step), swap-ins, copy-on-write copies (stage 11: the source may be a
+block that has just been swapped in).
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ class SchedulerOutput:
     # stage 11: (parent, child) sequences forked this step: the child samples from the parent's last row
     forks: list[tuple[InferenceSession, InferenceSession]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before the forward
+    # stage 12: whole blocks to move between the device pool and the host pool, before the forward
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

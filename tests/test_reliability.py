@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 
 import pytest
 import torch
@@ -120,6 +121,13 @@ BAD_ENGINE_ARGS = [  # (argument, bad value, error); the message must name the a
     ("enable_chunked_prefill", None, TypeError),
     ("enable_prefix_caching", "yes", TypeError), ("enable_prefix_caching", 1, TypeError),
     ("enable_prefix_caching", None, TypeError),
+    ("watermark", -0.1, ValueError), ("watermark", 1, ValueError), ("watermark", NAN, ValueError),
+    ("watermark", True, TypeError), ("watermark", "0.01", TypeError), ("watermark", None, TypeError),
+    ("preemption_mode", "drop", ValueError), ("preemption_mode", "SWAP", ValueError),
+    ("preemption_mode", 1, ValueError),
+    ("swap_space", -1, ValueError), ("swap_space", INF, ValueError), ("swap_space", NAN, ValueError),
+    ("swap_space", 2**40, ValueError), ("swap_space", True, TypeError), ("swap_space", "4", TypeError),
+    ("swap_space", None, TypeError),
 ]  # fmt: skip
 ENGINE_CASES = [
     (cls, arg, value, exc)
@@ -189,47 +197,66 @@ request = st.tuples(
     st.lists(st.integers(0, 4094), min_size=1, max_size=20),  # prompt
     st.integers(1, 24),  # max_tokens
     st.booleans(),  # aborted after a few steps?
+    st.sampled_from([1, 1, 2, 3]),  # stage 11: n completions
 )
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     reqs=st.lists(request, min_size=1, max_size=8),
     num_blocks=st.integers(11, 24),
     max_num_seqs=st.integers(1, 4),
     budget=st.integers(1, 30),  # stage 09: tokens per step; small budgets cut prompts into chunks
+    mode=st.sampled_from([None, "recompute", "swap"]),  # stage 12: how to preempt
+    swap_blocks=st.integers(0, 16),  # stage 12: host pool size, in blocks (0: swaps fall back to recompute)
 )
-def test_random_traffic_keeps_every_invariant(tiny_model, reqs, num_blocks, max_num_seqs, budget):
+def test_random_traffic_keeps_every_invariant(tiny_model, reqs, num_blocks, max_num_seqs, budget, mode, swap_blocks):
     eng = LLMEngine(tiny_model, device="cpu", dtype="float32", block_size=4, num_blocks=num_blocks,
-                    max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)  # fmt: skip
+                    max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, preemption_mode=mode,
+                    swap_space=swap_blocks * 4 * kv_bytes_per_token(tiny_model) / 2**30)  # fmt: skip
     eng.trace = []
-    pending = [(gap, str(i), prompt, n, abort) for i, (gap, prompt, n, abort) in enumerate(reqs)]
-    done, step, abort_at = {}, 0, {}
+    pending = [(gap, str(i), prompt, n, abort, k) for i, (gap, prompt, n, abort, k) in enumerate(reqs)]
+    done, step, abort_at, refused = {}, 0, {}, set()
     while pending or eng.has_unfinished_requests():
         while pending and pending[0][0] <= 0:
-            _, rid, prompt, n, abort = pending.pop(0)
-            eng.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+            _, rid, prompt, n, abort, k = pending.pop(0)
+            params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, n=min(k, max_num_seqs))
+            try:
+                eng.add_request(rid, prompt, params)
+            except ValueError as e:  # n sequences that could never fit the pool together
+                assert "whole KV cache pool" in str(e) and params.n > 1
+                refused.add(rid)
+                continue
             if abort:
                 abort_at[rid] = step + 2
         pending = [(gap - 1, *rest) for gap, *rest in pending]
         for rid, when in list(abort_at.items()):
             if when == step and rid in eng.sessions:
                 eng.abort_request(rid)
-                assert rid not in eng.block_manager.block_tables
+                bm = eng.block_manager
+                assert not any(s == rid or s.startswith(rid + "#") for s in [*bm.block_tables, *bm.cpu_tables])
         if eng.has_unfinished_requests():
             for out in eng.step():
                 if out.finished:
-                    done[out.request_id] = out.token_ids
+                    done[out.request_id] = [c.token_ids for c in out.outputs]
         assert len(eng.scheduler.running) <= max_num_seqs
         assert not eng.trace or sum(eng.trace[-1]["num_scheduled_tokens"].values()) <= budget
         step += 1
-    assert eng.block_manager.stats().used_blocks == 0, "KV blocks leaked"
-    for _, rid, prompt, n, _ in [(0, str(i), p, n, a) for i, (_, p, n, a) in enumerate(reqs)]:
+    bm = eng.block_manager
+    assert bm.stats().used_blocks == 0 and len(bm.cpu_pool.free) == bm.num_cpu_blocks, "KV blocks leaked"
+    for i, (_, prompt, n, _, k) in enumerate(reqs):
+        rid = str(i)
         if rid in done and rid not in abort_at:
             solo = list(eng.engine.token_stream(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)))
-            assert done[rid] == solo, rid
-        elif rid not in abort_at:
+            assert done[rid] == [solo] * min(k, max_num_seqs), rid
+        elif rid not in abort_at and rid not in refused:
             raise AssertionError(f"request {rid} never finished")
+
+
+def kv_bytes_per_token(model_dir) -> int:
+    """K and V of one token, all layers, fp32: what a block of the host pool holds per token."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    return 2 * cfg["n_layer"] * cfg["n_embd"] * 4
 
 
 def test_batch_invariance_alone_and_among_64_others(llm):
