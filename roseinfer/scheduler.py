@@ -98,6 +98,12 @@ class Scheduler:
 
     def add(self, session: InferenceSession) -> None:
         """Queue a request. One that could not fit the pool even alone (prompt + max_tokens) fails here."""
+        self.check_fits(session)
+        self.waiting.append(session)
+
+    def check_fits(self, session: InferenceSession) -> None:
+        """Raise ValueError if the request could never run: more sequences than `max_num_seqs`, or more KV
+        blocks than the whole pool. Reads only fixed sizes (stage 13: a server checks before queueing)."""
         bm, seqs = self.block_manager, self._seats(session)
         if seqs > self.max_num_seqs:
             raise ValueError(
@@ -112,7 +118,6 @@ class Scheduler:
                 f"({len(session.prompt_ids)} prompt + {n - len(session.prompt_ids)} new tokens, {seqs} sequence(s)), "
                 f"but the whole KV cache pool has {bm.num_blocks}"
             )
-        self.waiting.append(session)
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work (see the class docstring)."""

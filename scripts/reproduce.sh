@@ -28,6 +28,7 @@ declare -A CMDS=(
   [10]="$nb notebooks/prefix_cache.ipynb; python scripts/prefix_cache_example.py; for t in 2 1; do python scripts/benchmark.py --workload shared-prefix --threads \$t; python scripts/benchmark.py --workload small --engines roseinfer,roseinfer-nocache --threads \$t; done"
   [11]="$nb notebooks/beam_search.ipynb; python scripts/beam_search_example.py --max-tokens 6"
   [12]="python scripts/swap_example.py --figure $out/queues.png; for t in 2 1; do python scripts/measure_swap.py --part cost --repeats 5 --threads \$t; done; python scripts/measure_swap.py --part cost --model gpt2 --lengths 16 64 128 256 512 1023 --repeats 3 --figure $out/swap_vs_recompute.png; python scripts/measure_swap.py --part paper --model gpt2 --lengths 16 256 1023; python scripts/measure_swap.py --part watermark"
+  [13]="python scripts/serving_curve.py --figure $out/serving_curve.png --json $out/serving_curve.json"
 )
 for tag in $(git tag --list 'stage-*' | sort); do
   nn="${tag#stage-}"; nn="${nn%%-*}"
