@@ -96,12 +96,12 @@ class BlockSpaceManager:
         bytes_per_token: int | None = None,
         enable_prefix_caching: bool = False,
         num_cpu_blocks: int = 0,
-        watermark_blocks: int = 0,
+        watermark: float = 0.0,
     ):
         """Give `num_blocks`, or a memory budget: `kv_cache_memory` bytes / (bytes_per_token · block_size).
         `enable_prefix_caching`: full computed blocks can be shared by later prompts that start alike.
-        Stage 12: `num_cpu_blocks` in the host pool for swapped-out sequences; `watermark_blocks` that
-        admission leaves free (see `allocate_slots`)."""
+        Stage 12: `num_cpu_blocks` in the host pool for swapped-out sequences; `watermark`, the fraction of
+        the pool that admission leaves free (see `allocate_slots`)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if num_blocks is None:
@@ -118,7 +118,8 @@ class BlockSpaceManager:
         self.num_hashed_blocks: dict[str, int] = {}  # seq id -> its first blocks offered to the prefix cache
         self.blocks_to_copy: list[tuple[int, int]] = []  # copy-on-write (src, dst) pairs the next forward must do
         self.kv_cache: KVCache | None = None  # the pool these ids index (stage 07), set by the engine
-        self.num_cpu_blocks, self.watermark_blocks = num_cpu_blocks, watermark_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.watermark_blocks = int(watermark * num_blocks)  # as vLLM: 1% of a pool of 1,000 blocks keeps 10 free
         self.cpu_pool = BlockPool(num_cpu_blocks)  # stage 12: host blocks of swapped-out sequences
         self.cpu_tables: dict[str, list[int]] = {}  # swapped-out seq id -> host block ids
         self.host_kv_cache: KVCache | None = None  # the host pool the cpu ids index, set by the engine
@@ -135,6 +136,16 @@ class BlockSpaceManager:
     @property
     def num_free_blocks(self) -> int:
         return len(self.pool.free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Device blocks held by some sequence (O(1), unlike `stats()`, which walks every table)."""
+        return self.num_blocks - len(self.pool.free)
+
+    @property
+    def num_swap_blocks_used(self) -> int:
+        """Host blocks held by swapped-out sequences (stage 12)."""
+        return self.num_cpu_blocks - len(self.cpu_pool.free)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)  # ceil
@@ -309,7 +320,7 @@ class BlockSpaceManager:
         return [min(bs, n - i * bs) for i in range(len(self.block_tables[seq_id]))]
 
     def stats(self) -> BlockStats:
-        used = self.num_blocks - len(self.free_block_ids)
+        used = self.num_used_blocks
         filled: dict[int, int] = {}  # physical block -> tokens in it (a shared block counts once)
         for seq_id, table in self.block_tables.items():
             for block, n in zip(table, self.fill_levels(seq_id), strict=True):
@@ -327,7 +338,7 @@ class BlockSpaceManager:
             "free_queue": list(self.pool.free),  # least recently freed first
             "cached_blocks": sorted(self.pool.cached.values()),  # blocks findable by their prefix's hash
             "cpu_tables": {s: list(t) for s, t in self.cpu_tables.items()},  # stage 12: swapped out
-            "swap_blocks_used": self.num_cpu_blocks - len(self.cpu_pool.free),
+            "swap_blocks_used": self.num_swap_blocks_used,
         }
 
 

@@ -41,6 +41,9 @@ def check_bool(name: str, value) -> None:
         raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
 
 
+PREEMPTION_MODES = (None, "recompute", "swap")  # vLLM's: None = recompute one sequence, swap several
+
+
 def check_swap_args(watermark, preemption_mode, swap_space) -> None:
     """Stage 12: the watermark is a fraction of the pool in [0, 1), swap_space GiB >= 0 that the host has."""
     for name, value, high, allowed in (("watermark", watermark, 1, "a number in [0, 1)"),
@@ -49,7 +52,7 @@ def check_swap_args(watermark, preemption_mode, swap_space) -> None:
             raise TypeError(f"{name} must be {allowed}, got {value!r} ({type(value).__name__})")
         if not 0 <= value < high:  # nan fails both comparisons: refused
             raise ValueError(f"{name} must be {allowed}, got {value}")
-    if preemption_mode not in (None, "recompute", "swap"):
+    if preemption_mode not in PREEMPTION_MODES:
         raise ValueError(f"preemption_mode must be None, 'recompute' or 'swap', got {preemption_mode!r}")
     total = _memory_bytes(torch.device("cpu"))
     if total is not None and swap_space * 2**30 > total:

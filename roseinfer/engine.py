@@ -91,8 +91,7 @@ class InferenceEngine:
         num_cpu_blocks = int(swap_space * 2**30) // (self.kv_bytes_per_token * self.block_size)
         bm = BlockSpaceManager(self.block_size, self.num_blocks, kv_cache_memory=self._kv_budget(),
                                bytes_per_token=self.kv_bytes_per_token, enable_prefix_caching=enable_prefix_caching,
-                               num_cpu_blocks=num_cpu_blocks)  # fmt: skip
-        bm.watermark_blocks = int(watermark * bm.num_blocks)  # as vLLM: 1% of a pool of 1,000 blocks keeps 10 free
+                               num_cpu_blocks=num_cpu_blocks, watermark=watermark)  # fmt: skip
         return bm
 
     def _kv_budget(self) -> int:

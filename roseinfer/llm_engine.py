@@ -148,12 +148,12 @@ class LLMEngine:
             "prefix_cache_queries": sched.prefix_cache_queries,
             "prefix_cache_hits": sched.prefix_cache_hits,
             "num_preemptions": sched.num_preemptions,
-            "kv_blocks_used": bm.stats().used_blocks,
+            "kv_blocks_used": bm.num_used_blocks,  # read after every step by the server: O(1)
             "kv_blocks_total": bm.num_blocks,
             "kv_blocks_cached": len(bm.pool.cached),  # full blocks findable by their prefix, in use or free
             "num_swapped_out": sched.num_swapped_out,  # stage 12: requests swapped out / in
             "num_swapped_in": sched.num_swapped_in,
-            "swap_blocks_used": bm.num_cpu_blocks - len(bm.cpu_pool.free),  # host blocks held by swapped requests
+            "swap_blocks_used": bm.num_swap_blocks_used,  # host blocks held by swapped requests
             "swap_blocks_total": bm.num_cpu_blocks,
         }
 

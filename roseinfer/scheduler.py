@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from roseinfer.block_manager import BlockSpaceManager
-from roseinfer.checks import check_int
+from roseinfer.checks import PREEMPTION_MODES, check_int
 from roseinfer.offline_scheduler import KVCacheFullError, OfflineScheduler
 from roseinfer.scheduler_output import SchedulerOutput
 from roseinfer.sequence_group import SequenceGroup
@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from roseinfer.model_runner import ModelRunnerOutput
 
 __all__ = ["KVCacheFullError", "OfflineScheduler", "Scheduler"]
-PREEMPTION_MODES = (None, "recompute", "swap")
 
 
 class Scheduler:

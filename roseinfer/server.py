@@ -114,7 +114,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str = "roseinfer", max_waiting
 
 
 def parse_completion_request(body, model_name: str, engine: AsyncLLMEngine):
-    """Check the JSON body of /v1/completions; returns (prompts, SamplingParams, stream, include_usage)."""
+    """Check the JSON body of /v1/completions; returns (each prompt's token ids, SamplingParams, stream,
+    include_usage)."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     unknown = sorted(set(body) - ACCEPTED - set(UNSUPPORTED))
@@ -145,6 +146,7 @@ def parse_completion_request(body, model_name: str, engine: AsyncLLMEngine):
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e), param=str(e).split()[0]) from e
     core, n_ctx = engine.engine.engine, engine.engine.engine.config.n_positions
+    prompt_ids = []
     for i, prompt in enumerate(prompts):
         try:  # the same checks LLMEngine.add_request makes, before anything is queued
             session = core.new_session("check", prompt, params)
@@ -155,7 +157,8 @@ def parse_completion_request(body, model_name: str, engine: AsyncLLMEngine):
             raise APIError(400, f"This model's maximum context length is {n_ctx} tokens. However, you requested "
                                 f"{session.num_tokens + params.max_tokens} tokens ({session.num_tokens} in the "
                                 f"prompt, {params.max_tokens} for the completion).", param="max_tokens")  # fmt: skip
-    return prompts, params, stream, options.get("include_usage", False)
+        prompt_ids.append(session.prompt_ids)  # the engine gets the ids: a prompt is tokenized once
+    return prompt_ids, params, stream, options.get("include_usage", False)
 
 
 async def merge_streams(engine: AsyncLLMEngine, metrics: ServerMetrics, rid: str, prompts: list, params):
