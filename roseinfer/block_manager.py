@@ -263,6 +263,19 @@ class BlockSpaceManager:
         self.num_tokens[child_id] = self.num_tokens[parent_id]
         self.num_hashed_blocks[child_id] = self.num_hashed_blocks.get(parent_id, 0)
 
+    def trim(self, seq_id: str, num_tokens: int) -> None:
+        """Stage 14: keep the first `num_tokens` slots and give back the blocks after them: the slots of
+        draft tokens the target rejected. Their K/V stay behind in the kept last block, to be overwritten by
+        the next tokens (nothing reads past a sequence's length)."""
+        table = self.block_tables[seq_id]
+        if num_tokens > self.num_tokens[seq_id]:
+            raise ValueError(f"cannot trim {seq_id!r} to {num_tokens} tokens: it holds {self.num_tokens[seq_id]}")
+        keep = self.blocks_for(num_tokens)
+        for block in reversed(table[keep:]):
+            self.pool.free_block(block)
+        del table[keep:]
+        self.num_tokens[seq_id] = num_tokens
+
     # ---- swapping (stage 12) -------------------------------------------------------
     def can_swap_out(self, seq_ids: Sequence[str]) -> bool:
         return len(_distinct(self.block_tables[s] for s in seq_ids)) <= len(self.cpu_pool.free)

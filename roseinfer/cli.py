@@ -9,6 +9,7 @@ Engine flags are LLMEngine's arguments with dashes (vLLM's spelling).
 from __future__ import annotations
 
 import argparse
+import json
 
 
 def serve_parser(sub) -> argparse.ArgumentParser:
@@ -31,6 +32,8 @@ def serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"])
     p.add_argument("--swap-space", type=float, default=4, help="GiB of host memory for swapped KV blocks")
     p.add_argument("--watermark", type=float, default=0.01)
+    spec = """speculative decoding, as JSON: '{"method": "ngram", "num_speculative_tokens": 4}'"""
+    p.add_argument("--speculative-config", type=json.loads, default=None, help=spec)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     return p
 
@@ -51,6 +54,7 @@ def serve(args: argparse.Namespace) -> None:
         attention_backend=args.attention_backend, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
         watermark=args.watermark, preemption_mode=args.preemption_mode, swap_space=args.swap_space,
+        speculative_config=args.speculative_config,
     )  # fmt: skip
     app = build_app(AsyncLLMEngine(engine), args.served_model_name or "roseinfer", args.max_waiting)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

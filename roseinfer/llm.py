@@ -42,6 +42,7 @@ class LLM:
         watermark: float = 0.01,
         preemption_mode: str | None = None,
         swap_space: float = 4,
+        speculative_config: dict | None = None,
     ):
         """`block_size`, `num_blocks` / `kv_cache_memory` (bytes; CPU default 256 MiB) /
         `gpu_memory_utilization` (CUDA) size the KV pool; `max_num_seqs` caps how many
@@ -51,13 +52,15 @@ class LLM:
         `attention_backend`: 'auto' (triton on CUDA, sdpa on CPU), 'torch', 'sdpa' or 'triton'.
         Preemption when the pool runs out: `preemption_mode` None (recompute a request with one sequence,
         swap one with several), 'recompute' or 'swap', into a host pool of `swap_space` GiB; admission
-        keeps a `watermark` fraction of the pool free."""
+        keeps a `watermark` fraction of the pool free. `speculative_config` (vLLM's keys) turns on
+        speculative decoding: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}."""
         self.llm_engine = LLMEngine(
             model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization,
             attention_backend=attention_backend, max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching,
             watermark=watermark, preemption_mode=preemption_mode, swap_space=swap_space,
+            speculative_config=speculative_config,
         )  # fmt: skip
         self.engine = self.llm_engine.engine
         self.tokenizer = self.llm_engine.tokenizer

@@ -33,6 +33,7 @@ from roseinfer.scheduler import Scheduler
 from roseinfer.scheduler_output import SchedulerOutput
 from roseinfer.sequence_group import SequenceGroup
 from roseinfer.session import InferenceSession
+from roseinfer.spec_decode import SpeculativeConfig, can_speculate, make_proposer
 
 
 class LLMEngine:
@@ -53,6 +54,7 @@ class LLMEngine:
         watermark: float = 0.01,
         preemption_mode: str | None = None,
         swap_space: float = 4,
+        speculative_config: dict | SpeculativeConfig | None = None,
     ):
         """`max_num_batched_tokens`: tokens one step may compute (default 2048, or the model's context
         if larger and chunked prefill is off); `enable_chunked_prefill`: cut long prompts into chunks
@@ -60,12 +62,15 @@ class LLMEngine:
         `enable_prefix_caching`: requests whose prompts start alike share the K/V blocks of that start.
         Stage 12 (vLLM's names and defaults): `watermark`, the fraction of KV blocks that admitting a new
         request must leave free; `preemption_mode` None (recompute a request with one sequence, swap one
-        with several), "recompute" or "swap"; `swap_space`, GiB of host memory for swapped-out blocks."""
+        with several), "recompute" or "swap"; `swap_space`, GiB of host memory for swapped-out blocks.
+        Stage 14: `speculative_config` (vLLM's keys), e.g. {"method": "ngram", "num_speculative_tokens": 4}
+        or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}: see roseinfer/spec_decode."""
         check_int("max_num_seqs", max_num_seqs)  # before loading anything
         check_int("max_num_batched_tokens", max_num_batched_tokens, none_ok=True)
         check_bool("enable_chunked_prefill", enable_chunked_prefill)
         check_bool("enable_prefix_caching", enable_prefix_caching)
         check_swap_args(watermark, preemption_mode, swap_space)
+        spec = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
         self.engine = InferenceEngine(
             model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
@@ -79,6 +84,8 @@ class LLMEngine:
             max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, n_ctx)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
                                    max_model_len=n_ctx, preemption_mode=preemption_mode)  # fmt: skip
+        self.speculative_config = spec
+        self.proposer = make_proposer(spec, self.engine, self.block_manager.num_blocks) if spec else None
         self.sessions: dict[str, InferenceSession] = {}  # unfinished requests by id
         self.trace: list[dict] | None = None  # set to [] to record every step (notebooks, examples)
         self.num_steps = 0
@@ -113,6 +120,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step: schedule, one forward, update. Returns an output for every request that got a token."""
         try:
+            if self.proposer is not None:  # stage 14: guesses for every decoding request, verified in this step
+                self.proposer.propose([s for s in self.scheduler.running if can_speculate(s)])
             sched = self.scheduler.schedule()
             sampled = self.model_runner.execute_model(sched)
             produced = self.scheduler.update_from_output(sched, sampled)
@@ -140,11 +149,13 @@ class LLMEngine:
             self.trace.append(self._trace_entry(sched))
         return outputs
 
-    def get_stats(self) -> dict[str, int]:
+    def get_stats(self) -> dict:
         """Counters since the engine started (vLLM's names): prefix-cache lookups and hits in tokens,
-        preemptions, and KV blocks in use (held by a request) out of the pool; stage 12: swaps and host blocks."""
+        preemptions, and KV blocks in use (held by a request) out of the pool; stage 12: swaps and host blocks;
+        stage 14: drafts proposed and accepted (see `spec_decode_stats`)."""
         sched, bm = self.scheduler, self.block_manager
         return {
+            **(self.spec_decode_stats() if self.proposer is not None else {}),
             "prefix_cache_queries": sched.prefix_cache_queries,
             "prefix_cache_hits": sched.prefix_cache_hits,
             "num_preemptions": sched.num_preemptions,
@@ -155,6 +166,28 @@ class LLMEngine:
             "num_swapped_in": sched.num_swapped_in,
             "swap_blocks_used": bm.num_swap_blocks_used,  # host blocks held by swapped requests
             "swap_blocks_total": bm.num_cpu_blocks,
+        }
+
+    def spec_decode_stats(self) -> dict:
+        """Stage 14: verifications ("drafts"), draft tokens checked and accepted, the acceptance rate, the mean
+        acceptance length (tokens a verifying step yields: accepted drafts + the target's own token) and the
+        acceptance rate at each draft position (position i is only reached if drafts 0 .. i-1 passed)."""
+        s = self.scheduler
+        drafts, proposed, accepted = (
+            s.spec_decode_num_drafts,
+            s.spec_decode_num_draft_tokens,
+            s.spec_decode_num_accepted_tokens,
+        )
+        return {
+            "spec_decode_num_drafts": drafts,
+            "spec_decode_num_draft_tokens": proposed,
+            "spec_decode_num_accepted_tokens": accepted,
+            "spec_decode_acceptance_rate": accepted / proposed if proposed else 0.0,
+            "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
+            "spec_decode_num_accepted_tokens_per_pos": list(s.spec_decode_num_accepted_tokens_per_pos),
+            "spec_decode_acceptance_rate_per_pos": [n / drafts for n in s.spec_decode_num_accepted_tokens_per_pos]
+            if drafts
+            else [],
         }
 
     def reset_prefix_cache(self) -> None:
@@ -176,6 +209,8 @@ class LLMEngine:
             if reason and not s.finished:
                 s.finish_reason = reason
             self.scheduler.finish(s)
+            if self.proposer is not None:  # stage 14: the draft model's blocks for it go back too
+                self.proposer.free(s.request_id)
         self.sessions.pop(session.request_id, None)
 
     def _group_output(self, group: SequenceGroup) -> RequestOutput:
@@ -196,6 +231,7 @@ class LLMEngine:
             "step": self.num_steps,
             "ran": [s.request_id for s in sched.scheduled],
             "num_scheduled_tokens": dict(sched.num_scheduled_tokens),
+            "scheduled_spec_decode_tokens": {k: list(v) for k, v in sched.scheduled_spec_decode_tokens.items()},
             "scheduled_new_reqs": sched.scheduled_new_reqs,
             "scheduled_resumed_reqs": sched.scheduled_resumed_reqs,
             "preempted_req_ids": sched.preempted_req_ids,

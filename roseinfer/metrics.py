@@ -5,7 +5,8 @@ Three kinds, as in vLLM:
     gauges      the engine's state after the last step: requests running / waiting / swapped,
                 KV blocks in use and the share of the pool they are
     counters    totals since start: preemptions, prefix-cache queries and hits (tokens), prompt and
-                generated tokens, finished requests by finish reason
+                generated tokens, finished requests by finish reason; with speculative decoding
+                (stage 14) drafts verified, draft tokens proposed and accepted, accepted per position
     histograms  per request, seen from the server: time to first token (arrival -> first text),
                 time per output token after the first, end-to-end latency
 
@@ -47,8 +48,14 @@ class ServerMetrics:
                               buckets=TOKEN_BUCKETS, **label)  # fmt: skip
         self.e2e = Histogram("roseinfer:e2e_request_latency_seconds", "Arrival to last token.",
                              buckets=LATENCY_BUCKETS, **label)  # fmt: skip
+        self.spec_drafts = Counter("roseinfer:spec_decode_num_drafts", "Verifications of drafts.", **label)
+        self.spec_draft_tokens = Counter("roseinfer:spec_decode_num_draft_tokens", "Draft tokens proposed.", **label)
+        self.spec_accepted = Counter("roseinfer:spec_decode_num_accepted_tokens", "Draft tokens accepted.", **label)
+        self.spec_per_pos = Counter("roseinfer:spec_decode_num_accepted_tokens_per_pos", "Accepted at position.",
+                                    labelnames=["model_name", "position"], registry=r)  # fmt: skip
         self.model_name = model_name
         self._last = dict.fromkeys(("num_preemptions", "prefix_cache_queries", "prefix_cache_hits"), 0)
+        self._last_per_pos: list[int] = []
 
     def on_step(self, snap: EngineSnapshot) -> None:
         """After every engine step: set the gauges, add the counters' increments since the last step."""
@@ -62,6 +69,17 @@ class ServerMetrics:
                              ("prefix_cache_hits", self.cache_hits)):  # fmt: skip
             counter.labels(m).inc(s[key] - self._last[key])
             self._last[key] = s[key]
+        if "spec_decode_num_drafts" not in s:
+            return
+        for key, counter in (("spec_decode_num_drafts", self.spec_drafts),
+                             ("spec_decode_num_draft_tokens", self.spec_draft_tokens),
+                             ("spec_decode_num_accepted_tokens", self.spec_accepted)):  # fmt: skip
+            counter.labels(m).inc(s[key] - self._last.get(key, 0))
+            self._last[key] = s[key]
+        per_pos, last = s["spec_decode_num_accepted_tokens_per_pos"], self._last_per_pos
+        for i, n in enumerate(per_pos):
+            self.spec_per_pos.labels(m, str(i)).inc(n - (last[i] if i < len(last) else 0))
+        self._last_per_pos = list(per_pos)
 
     def on_finish(self, reason: str, num_prompt: int, num_generated: int, arrival: float, first: float | None,
                   end: float) -> None:  # fmt: skip

@@ -128,26 +128,48 @@ def sample(
     Rows may use different params. Greedy rows take the argmax; the others go through
     temperature, top-k and top-p filtering and inverse-CDF sampling with their own generator.
     """
-    B, V = logits.shape
     logits = logits.float()
     greedy_ids = logits.argmax(dim=-1)  # [B]
     if all(p.greedy for p in params):
         return greedy_ids
+    # one uniform number per row, from that row's own generator (the only per-row loop)
+    u = torch.cat([torch.rand(1, generator=g, device=g.device) for g in generators]).to(logits.device)  # [B]
+    probs, order = _sorted_filtered_probs(logits, params)  # [B, V], most likely first, not renormalised
+    cdf = probs.cumsum(dim=-1)  # [B, V]
+    pos = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_(max=logits.shape[1] - 1)  # [B, 1]
+    sampled_ids = order.gather(1, pos)[:, 0]  # back to vocabulary ids: [B]
+    is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+    return torch.where(is_greedy, greedy_ids, sampled_ids)
+
+
+def _sorted_filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature, softmax, sort, top-k and top-p: the kept probabilities, most likely first, and the
+    vocabulary id of each column ([B, V] both). Greedy rows use temperature 1."""
+    B, V = logits.shape
     dev = logits.device
     temp = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=dev)  # [B]
     top_k = torch.tensor([min(p.top_k, V) if p.top_k > 0 else V for p in params], device=dev)  # [B]
     top_p = torch.tensor([p.top_p for p in params], device=dev)  # [B]
-    # one uniform number per row, from that row's own generator (the only per-row loop)
-    u = torch.cat([torch.rand(1, generator=g, device=g.device) for g in generators]).to(dev)  # [B]
-
     probs = torch.softmax(logits / temp[:, None], dim=-1)  # [B, V]
     probs, order = probs.sort(dim=-1, descending=True)  # [B, V], most likely first
     rank = torch.arange(V, device=dev)[None, :]  # [1, V]
     mass_before = probs.cumsum(dim=-1) - probs  # probability of all more-likely tokens
     keep = (rank < top_k[:, None]) & (mass_before < top_p[:, None])  # top-1 is always kept
-    probs = probs * keep  # [B, V], filtered (not renormalised: we scale u instead)
+    return probs * keep, order  # [B, V], filtered (not renormalised: `sample` scales u instead)
+
+
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Stage 14: the distribution `sample` draws from, as probabilities in vocabulary order. [B, V] -> [B, V]
+
+    Speculative decoding needs it whole: the target's p and the draft's q are compared token by token."""
+    probs, order = _sorted_filtered_probs(logits.float(), params)
+    probs = probs / probs.sum(dim=-1, keepdim=True)  # renormalise what top-k / top-p kept
+    return torch.empty_like(probs).scatter_(1, order, probs)  # undo the sort
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Stage 14: one token per row of an (unnormalised) distribution, by inverse CDF with u ~ U(0, 1).
+    probs [B, V], u [B] -> token ids [B]"""
     cdf = probs.cumsum(dim=-1)  # [B, V]
-    pos = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_(max=V - 1)  # [B, 1]
-    sampled_ids = order.gather(1, pos)[:, 0]  # back to vocabulary ids: [B]
-    is_greedy = torch.tensor([p.greedy for p in params], device=dev)
-    return torch.where(is_greedy, greedy_ids, sampled_ids)
+    pos = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)  # first token whose CDF passes u
+    return pos.clamp_(max=probs.shape[1] - 1)[:, 0]

@@ -59,6 +59,12 @@ class Scheduler:
 
     The watermark (stage 12) applies to admission only, and only while something else runs: with
     nothing running there is nobody to protect, and a request that fits the pool must not wait forever.
+
+    Speculative decoding (stage 14): a decoding request may carry draft tokens (`spec_token_ids`, set by a
+    proposer before the step). It is then booked for 1 + k tokens, its last token and the drafts, as far
+    as the budget allows; when the blocks are short the drafts are dropped before anyone is preempted.
+    After the step it advances by the drafts the target accepted, plus one, and gives the rejected
+    drafts' slots back (`BlockSpaceManager.trim`).
     """
 
     def __init__(
@@ -94,6 +100,10 @@ class Scheduler:
         self._preempted: set[str] = set()  # ids that were preempted and have not run since
         self.prefix_cache_queries = 0  # tokens of admitted requests looked up in the prefix cache (stage 10)
         self.prefix_cache_hits = 0  # ... and found there
+        self.spec_decode_num_drafts = 0  # stage 14: verifications (a request's drafts checked in one step)
+        self.spec_decode_num_draft_tokens = 0  # ... the draft tokens they checked
+        self.spec_decode_num_accepted_tokens = 0  # ... and kept
+        self.spec_decode_num_accepted_tokens_per_pos: list[int] = []  # kept at draft position 0, 1, ...
 
     def add(self, session: InferenceSession) -> None:
         """Queue a request. One that could not fit the pool even alone (prompt + max_tokens) fails here."""
@@ -129,6 +139,11 @@ class Scheduler:
                 break  # preempted below: it and everyone after it are gone
             plan = self._plan(unit, budget)
             while bm.blocks_needed([(s.request_id, n) for s, n in plan]) > bm.num_free_blocks:
+                if any(s.spec_token_ids for s in unit):  # stage 14: drop the drafts before preempting anyone
+                    for s in unit:
+                        s.spec_token_ids = []
+                    plan = self._plan(unit, budget)
+                    continue
                 self._preempt(self.running[-1], out)  # the youngest request gives its blocks back
                 if unit[0] not in self.running:
                     break
@@ -177,10 +192,13 @@ class Scheduler:
 
     def _plan(self, unit: list[InferenceSession], budget: int) -> list[tuple[InferenceSession, int]]:
         """The tokens each sequence of a unit computes this step, within the budget: what it still lacks
-        (0 for a beam that waits for its siblings' log-probabilities: stage 11)."""
+        (0 for a beam that waits for its siblings' log-probabilities: stage 11), plus its draft tokens
+        (stage 14: as many as the budget leaves room for)."""
         plan = []
         for s in unit:
             n = min(s.num_tokens - s.num_computed_tokens, budget)
+            if n == 1 and s.spec_token_ids:
+                n += min(len(s.spec_token_ids), budget - 1)
             if n:
                 plan.append((s, n))
                 budget -= n
@@ -193,6 +211,9 @@ class Scheduler:
                 raise AssertionError(f"blocks_needed promised room for {s.request_id!r}")
             out.scheduled.append(s)
             out.num_scheduled_tokens[s.request_id] = n
+            drafts = n - (s.num_tokens - s.num_computed_tokens)  # stage 14: scheduled beyond its own tokens
+            if drafts > 0:
+                out.scheduled_spec_decode_tokens[s.request_id] = s.spec_token_ids[:drafts]
             budget -= n
             self._fork_if_sampling_n(s, n, out.forks)
         return budget
@@ -202,7 +223,9 @@ class Scheduler:
         beams all have their log-probabilities take a step. Returns the sequences that got a token (some
         may now be finished; the caller retires those with `finish`), and the first beam of a finished search."""
         for session in sched.scheduled:
-            session.num_computed_tokens += sched.num_scheduled_tokens[session.request_id]
+            session.spec_token_ids, session.spec_draft_probs = [], None  # used (or not) this step: gone
+            drafts = len(sched.scheduled_spec_decode_tokens.get(session.request_id, ()))
+            session.num_computed_tokens += sched.num_scheduled_tokens[session.request_id] - drafts
         for parent, child in sched.forks:  # stage 11: forked this step, they share what the parent computed
             child.num_computed_tokens = parent.num_computed_tokens
         produced, searches = [], {}
@@ -215,6 +238,9 @@ class Scheduler:
                 session.cumulative_logprob += out.logprobs.get(rid, 0.0)
                 session.append_token(out.sampled[rid])
                 produced.append(session)
+            elif rid in out.spec_sampled:  # stage 14: the accepted drafts, then the target's token
+                self._accept(session, sched.scheduled_spec_decode_tokens[rid], out.spec_sampled[rid])
+                produced.append(session)
         for group in searches.values():
             if all(s.pending_logprobs is not None for s in group.seqs):
                 first = group.seqs[0]
@@ -222,6 +248,29 @@ class Scheduler:
                 if group.beam.done:
                     produced.append(first)  # its group tells the caller the search is over
         return produced
+
+    def _accept(self, session: InferenceSession, drafts: list[int], tokens: list[int]) -> None:
+        """Stage 14: append a verified run of tokens one by one, so that EOS, a stop string or max_tokens inside
+        it ends the request exactly where plain decoding would have; the K/V of every accepted draft is already
+        in the cache, the rejected drafts' slots go back to the block manager."""
+        accepted = len(tokens) - 1
+        self.spec_decode_num_drafts += 1
+        self.spec_decode_num_draft_tokens += len(drafts)
+        self.spec_decode_num_accepted_tokens += accepted
+        per_pos = self.spec_decode_num_accepted_tokens_per_pos
+        per_pos += [0] * (len(drafts) - len(per_pos))
+        for i in range(accepted):
+            per_pos[i] += 1
+        session.num_computed_tokens += accepted  # the last token's K/V came with this step, and the drafts' kept
+        delta = ""
+        for token in tokens:
+            session.append_token(token)
+            delta += session.last_delta
+            if session.finished:
+                break
+        session.last_delta = delta  # everything that became final this step
+        if not session.finished:
+            self.block_manager.trim(session.request_id, session.num_computed_tokens)
 
     def _seats(self, session: InferenceSession) -> int:
         """Places in `running` a waiting request will take: n for parallel sampling, beam_width for a search."""
@@ -293,6 +342,7 @@ class Scheduler:
             self.num_swapped_out += 1
         for s in reversed(victims):  # so that they stand in their order at the front of their queue
             self.running.remove(s)
+            s.spec_token_ids, s.spec_draft_probs = [], None  # stage 14: guesses for a step that will not come
             if swap:
                 self.swapped.appendleft(s)
                 continue

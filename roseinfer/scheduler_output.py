@@ -15,6 +15,10 @@ end only fills the KV cache.
 Before the forward the runner moves blocks, in this order: swap-outs (stage 12: their device blocks may
 be handed to others in this very step), swap-ins, copy-on-write copies (stage 11: the source may be a
 block that has just been swapped in).
+
+Stage 14 (speculative decoding): a decoding request may also verify k draft tokens. It is scheduled for
+1 + k tokens, its last token and the drafts, listed in `scheduled_spec_decode_tokens` (they are not the
+request's tokens yet): `num_scheduled_tokens {A: 5}` with `scheduled_spec_decode_tokens {A: [d1, d2, d3, d4]}`.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ class SchedulerOutput:
     # stage 12: whole blocks to move between the device pool and the host pool, before the forward
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    # stage 14: request id -> the draft tokens it verifies this step (they follow its last token in the batch)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

