@@ -47,6 +47,7 @@ class AsyncLLMEngine:
         self.snapshot = EngineSnapshot(stats=engine.get_stats())
         self._queues: dict[str, asyncio.Queue] = {}  # request id -> its outputs (or an exception)
         self._pending: list[tuple[str, str | list[int], SamplingParams]] = []  # to add before the next step
+        self._handing = 0  # requests taken from _pending by the step in progress (not yet in a snapshot)
         self._aborts: set[str] = set()  # to abort before the next step
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
@@ -62,7 +63,7 @@ class AsyncLLMEngine:
     @property
     def num_waiting(self) -> int:
         """Requests accepted that do not run yet (not yet handed to the engine, or in its waiting queue)."""
-        return len(self._pending) + self.snapshot.num_waiting
+        return len(self._pending) + self._handing + self.snapshot.num_waiting
 
     def start(self) -> None:
         """Start the step loop (call inside the running event loop)."""
@@ -115,7 +116,9 @@ class AsyncLLMEngine:
             while not self._stopping and (self._pending or self._aborts or self.engine.has_unfinished_requests()):
                 new, self._pending = self._pending, []
                 aborts, self._aborts = self._aborts, set()
-                results = await asyncio.to_thread(self._step_in_thread, new, aborts)
+                self._handing = len(new)  # they wait until a snapshot shows where they went
+                results, snapshot = await asyncio.to_thread(self._step_in_thread, new, aborts)
+                self.snapshot, self._handing = snapshot, 0  # together, in the event loop: never counted twice
                 for rid, item in results:
                     queue = self._queues.get(rid)
                     if queue is not None:
@@ -123,7 +126,7 @@ class AsyncLLMEngine:
                 if self.on_step is not None:
                     self.on_step(self.snapshot)
 
-    def _step_in_thread(self, new, aborts) -> list[tuple[str, RequestOutput | BaseException]]:
+    def _step_in_thread(self, new, aborts) -> tuple[list[tuple[str, RequestOutput | BaseException]], EngineSnapshot]:
         """Everything that touches the engine: aborts, admissions, one step, a snapshot."""
         eng, results = self.engine, []
         for rid in aborts:
@@ -143,6 +146,6 @@ class AsyncLLMEngine:
             except Exception as e:  # the engine has aborted every request and freed their blocks
                 results += [(rid, RuntimeError(f"engine step failed: {type(e).__name__}: {e}")) for rid in live]
         sched = eng.scheduler
-        self.snapshot = EngineSnapshot(len({s.group and s.group.request_id or s.request_id for s in sched.running}),
-                                       len(sched.waiting), len(sched.swapped), eng.get_stats())  # fmt: skip
-        return results
+        snapshot = EngineSnapshot(len({s.group and s.group.request_id or s.request_id for s in sched.running}),
+                                  len(sched.waiting), len(sched.swapped), eng.get_stats())  # fmt: skip
+        return results, snapshot

@@ -268,6 +268,35 @@ def test_async_engine_closing_a_stream_aborts_the_request():
     asyncio.run(scenario())
 
 
+def test_a_request_being_handed_to_the_engine_still_counts_as_waiting():
+    """While a step runs, the requests it took from the queue are in no snapshot yet: they still wait (else a
+    server with max_waiting=1 could accept a second one in that window)."""
+
+    async def scenario():
+        engine = AsyncLLMEngine(LLMEngine(device="cpu", dtype="float32", max_num_seqs=1))
+        inside, release = threading.Event(), threading.Event()
+        step = engine.engine.step
+
+        def slow_step():
+            inside.set()
+            release.wait(10)
+            return step()
+
+        engine.engine.step = slow_step
+        gen = engine.generate("Romeo.\n", SamplingParams(max_tokens=2), request_id="r")
+        first = asyncio.ensure_future(gen.__anext__())
+        while not inside.is_set():
+            await asyncio.sleep(0.01)
+        assert engine.num_waiting == 1  # handed over, inside the step: still waiting
+        release.set()
+        await first
+        assert engine.num_waiting == 0  # the snapshot now has it running
+        await gen.aclose()
+        await engine.shutdown()
+
+    asyncio.run(scenario())
+
+
 def test_roseinfer_serve_command_starts_and_answers():
     port = free_port()
     env_py = [sys.executable, "-m", "roseinfer", "serve", "--port", str(port), "--device", "cpu", "--num-blocks", "64"]
