@@ -96,3 +96,27 @@ def _memory_bytes(device: torch.device) -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):  # not a POSIX system
         return None
+
+
+def check_tensor_parallel(tp_size, device: torch.device, use_kv_cache: bool) -> int:
+    """Stage 15: tensor_parallel_size is an int in [1, the devices there are]: CUDA cards, or CPU cores (each
+    rank needs at least one core to itself, or the ranks wait on each other at every all-reduce)."""
+    check_int("tensor_parallel_size", tp_size)
+    if device.type == "cuda":
+        have, what = torch.cuda.device_count(), "CUDA devices"
+    else:
+        have, what = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(), "CPU cores"
+    if tp_size > have:
+        raise ValueError(f"tensor_parallel_size={tp_size} needs one {what[:-1]} per rank, but this machine has {have}")
+    if tp_size > 1 and not use_kv_cache:
+        raise ValueError("tensor_parallel_size > 1 runs the paged forward only: use_kv_cache must be True")
+    return tp_size
+
+
+def check_tensor_parallel_shapes(n_head: int, inner: int, tp_size: int) -> None:
+    """Stage 15: every rank gets whole attention heads and an equal slice of the MLP."""
+    if n_head % tp_size:
+        raise ValueError(f"tensor_parallel_size={tp_size} must divide the model's n_head={n_head} "
+                         f"(each rank holds n_head / tensor_parallel_size whole heads)")  # fmt: skip
+    if inner % tp_size:
+        raise ValueError(f"tensor_parallel_size={tp_size} must divide the model's MLP width {inner}")

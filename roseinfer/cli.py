@@ -2,6 +2,7 @@
 
     roseinfer serve                                   # the bundled model on 127.0.0.1:8000
     roseinfer serve --model path/to/gpt2 --port 8001 --max-num-seqs 32 --preemption-mode swap
+    roseinfer serve --tensor-parallel-size 2          # the model split across 2 processes (stage 15)
 
 Engine flags are LLMEngine's arguments with dashes (vLLM's spelling).
 """
@@ -35,6 +36,7 @@ def serve_parser(sub) -> argparse.ArgumentParser:
     spec = """speculative decoding, as JSON: '{"method": "ngram", "num_speculative_tokens": 4}'"""
     p.add_argument("--speculative-config", type=json.loads, default=None, help=spec)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="processes that share the model (stage 15)")
     return p
 
 
@@ -55,9 +57,13 @@ def serve(args: argparse.Namespace) -> None:
         enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
         watermark=args.watermark, preemption_mode=args.preemption_mode, swap_space=args.swap_space,
         speculative_config=args.speculative_config,
+        tensor_parallel_size=args.tensor_parallel_size,
     )  # fmt: skip
     app = build_app(AsyncLLMEngine(engine), args.served_model_name or "roseinfer", args.max_waiting)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.close()  # stage 15: the tensor-parallel workers stop with the server
 
 
 def main(argv: list[str] | None = None) -> None:

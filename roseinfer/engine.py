@@ -32,8 +32,9 @@ import torch
 
 from roseinfer.attention import get_backend
 from roseinfer.block_manager import BlockSpaceManager
-from roseinfer.checks import check_engine_args, check_kv_pool
+from roseinfer.checks import check_engine_args, check_kv_pool, check_tensor_parallel
 from roseinfer.detokenizer import Detokenizer
+from roseinfer.distributed import TensorParallelRunner, WorkerSpec
 from roseinfer.kv_cache import KVCache
 from roseinfer.loader import load_model, pick_device, pick_dtype
 from roseinfer.model_runner import ModelRunner
@@ -57,7 +58,10 @@ class InferenceEngine:
         kv_cache_memory: int | None = None,
         gpu_memory_utilization: float = 0.9,
         attention_backend: str = "auto",
+        tensor_parallel_size: int = 1,
     ):
+        """`tensor_parallel_size` > 1 (stage 15): this process is rank 0 and holds one shard of the model; the
+        first `make_runner` starts the other ranks (roseinfer/distributed.py). `kv_cache_memory` is per rank."""
         check_engine_args(use_kv_cache, block_size, num_blocks, kv_cache_memory, gpu_memory_utilization,
                           attention_backend)  # fmt: skip
         self.use_kv_cache = use_kv_cache
@@ -66,7 +70,8 @@ class InferenceEngine:
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
         self.attn_backend = get_backend(attention_backend, self.device)  # 'auto': triton on CUDA, sdpa on CPU
-        self.model, self.model_dir = load_model(model, self.device, self.dtype)
+        self.tp_size = check_tensor_parallel(tensor_parallel_size, self.device, use_kv_cache)
+        self.model, self.model_dir = load_model(model, self.device, self.dtype, tp_rank=0, tp_size=self.tp_size)
         self.config = self.model.config
         check_kv_pool(block_size, num_blocks, kv_cache_memory, self.config.n_positions, self.kv_bytes_per_token,
                       self.device)  # fmt: skip
@@ -75,11 +80,12 @@ class InferenceEngine:
         # a pool for one sequence, used by the single-request path (token_stream, stream, generate)
         self.solo_block_manager = BlockSpaceManager(block_size, -(-self.config.n_positions // block_size))
         self._solo: tuple[Scheduler, ModelRunner] | None = None  # its scheduler and runner, made on first use
+        self.tp_runner: TensorParallelRunner | None = None  # stage 15: the runner that owns the other ranks
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V, every layer: 2 · n_layer · n_embd · bytes per element."""
-        return 2 * self.config.n_layer * self.config.n_embd * self.dtype.itemsize
+        """K and V, every layer: 2 · n_layer · n_embd · bytes per element (stage 15: on each rank, / tp_size)."""
+        return 2 * self.config.n_layer * self.config.n_embd * self.dtype.itemsize // self.tp_size
 
     def make_block_manager(
         self, enable_prefix_caching: bool = False, swap_space: float = 0, watermark: float = 0.0
@@ -106,7 +112,8 @@ class InferenceEngine:
         """The pool behind a block manager, allocated on first use."""
         if block_manager.kv_cache is None:
             bm = block_manager
-            bm.kv_cache = KVCache(self.config, bm.num_blocks, bm.block_size, self.dtype, self.device)
+            bm.kv_cache = KVCache(self.config, bm.num_blocks, bm.block_size, self.dtype, self.device,
+                                  tp_size=self.tp_size)  # fmt: skip
         return block_manager.kv_cache
 
     def make_runner(self, block_manager: BlockSpaceManager) -> ModelRunner:
@@ -114,9 +121,27 @@ class InferenceEngine:
         bm = block_manager
         if bm.num_cpu_blocks and bm.host_kv_cache is None:  # stage 12: the swap pool, in host memory
             bm.host_kv_cache = KVCache(self.config, bm.num_cpu_blocks, bm.block_size, self.dtype, self.device,
-                                       host=True)  # fmt: skip
+                                       host=True, tp_size=self.tp_size)  # fmt: skip
+        if self.tp_size > 1:  # stage 15: start the other ranks, with pools of the same blocks
+            return self._start_tensor_parallel(bm)
         return ModelRunner(self.model, self.kv_cache_for(bm), self.attn_backend, self.device,
                            use_kv_cache=self.use_kv_cache, host_kv_cache=bm.host_kv_cache)  # fmt: skip
+
+    def _start_tensor_parallel(self, bm: BlockSpaceManager) -> TensorParallelRunner:
+        if self.tp_runner is not None:
+            raise RuntimeError("a tensor-parallel engine has one model runner (LLMEngine's); the single-request "
+                               "path (generate, stream) runs with tensor_parallel_size=1")  # fmt: skip
+        threads = max(1, torch.get_num_threads() // self.tp_size)  # on CPU the ranks share the cores
+        spec = WorkerSpec(str(self.model_dir), self.dtype, self.device.type, self.attn_backend.name, bm.block_size,
+                          bm.num_blocks, bm.num_cpu_blocks, self.tp_size, threads, port=0)  # fmt: skip
+        self.tp_runner = TensorParallelRunner(self.model, self.kv_cache_for(bm), self.attn_backend, self.device,
+                                              bm.host_kv_cache, spec)  # fmt: skip
+        return self.tp_runner
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (stage 15). Also happens on garbage collection and at exit."""
+        if self.tp_runner is not None:
+            self.tp_runner.close()
 
     # ---- input checks -------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:

@@ -21,9 +21,10 @@ import torch
 from roseinfer.model import KV, GPT2Config
 
 
-def bytes_per_block(config: GPT2Config, block_size: int, dtype: torch.dtype) -> int:
-    """K and V, all layers, `block_size` tokens: 2 · n_layer · block_size · n_embd · itemsize."""
-    return 2 * config.n_layer * block_size * config.n_embd * dtype.itemsize
+def bytes_per_block(config: GPT2Config, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """K and V, all layers, `block_size` tokens: 2 · n_layer · block_size · n_embd · itemsize (stage 15: on
+    one rank of `tp_size`, which holds n_head / tp_size of the heads, so 1 / tp_size of that)."""
+    return 2 * config.n_layer * block_size * config.n_embd * dtype.itemsize // tp_size
 
 
 class KVCache:
@@ -35,11 +36,13 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         host: bool = False,
+        tp_size: int = 1,
     ):
-        """`host=True` (stage 12): the swap pool, in CPU memory, pinned when the device is a GPU (so that copies
+        """`tp_size` (stage 15): this rank's pool holds only its n_head / tp_size heads.
+        `host=True` (stage 12): the swap pool, in CPU memory, pinned when the device is a GPU (so that copies
         to and from it can be asynchronous), and left uninitialised: a swap-out writes every block before
         it is read, and untouched pages of a large swap space cost no memory."""
-        shape = (num_blocks, block_size, config.n_head, config.head_dim)
+        shape = (num_blocks, block_size, config.n_head // tp_size, config.head_dim)
 
         def new() -> torch.Tensor:
             if host:
@@ -49,7 +52,7 @@ class KVCache:
 
         self.layers: list[KV] = [(new(), new()) for _ in range(config.n_layer)]
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.nbytes = num_blocks * bytes_per_block(config, block_size, dtype)
+        self.nbytes = num_blocks * bytes_per_block(config, block_size, dtype, tp_size)
 
 
 def swap_blocks(src: list[KV], dst: list[KV], block_mapping: list[tuple[int, int]]) -> None:

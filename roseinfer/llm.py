@@ -43,6 +43,7 @@ class LLM:
         preemption_mode: str | None = None,
         swap_space: float = 4,
         speculative_config: dict | None = None,
+        tensor_parallel_size: int = 1,
     ):
         """`block_size`, `num_blocks` / `kv_cache_memory` (bytes; CPU default 256 MiB) /
         `gpu_memory_utilization` (CUDA) size the KV pool; `max_num_seqs` caps how many
@@ -53,7 +54,9 @@ class LLM:
         Preemption when the pool runs out: `preemption_mode` None (recompute a request with one sequence,
         swap one with several), 'recompute' or 'swap', into a host pool of `swap_space` GiB; admission
         keeps a `watermark` fraction of the pool free. `speculative_config` (vLLM's keys) turns on
-        speculative decoding: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}."""
+        speculative decoding: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}.
+        `tensor_parallel_size` (stage 15): split every layer across that many processes (gloo on CPU, NCCL
+        on CUDA); `close()`, `with LLM(...) as llm:`, garbage collection or exit stop them."""
         self.llm_engine = LLMEngine(
             model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization,
@@ -61,10 +64,21 @@ class LLM:
             enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching,
             watermark=watermark, preemption_mode=preemption_mode, swap_space=swap_space,
             speculative_config=speculative_config,
+            tensor_parallel_size=tensor_parallel_size,
         )  # fmt: skip
         self.engine = self.llm_engine.engine
         self.tokenizer = self.llm_engine.tokenizer
         self.block_manager = self.llm_engine.block_manager
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (stage 15); a no-op with one process."""
+        self.llm_engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(
         self,

@@ -55,6 +55,7 @@ class LLMEngine:
         preemption_mode: str | None = None,
         swap_space: float = 4,
         speculative_config: dict | SpeculativeConfig | None = None,
+        tensor_parallel_size: int = 1,
     ):
         """`max_num_batched_tokens`: tokens one step may compute (default 2048, or the model's context
         if larger and chunked prefill is off); `enable_chunked_prefill`: cut long prompts into chunks
@@ -64,7 +65,8 @@ class LLMEngine:
         request must leave free; `preemption_mode` None (recompute a request with one sequence, swap one
         with several), "recompute" or "swap"; `swap_space`, GiB of host memory for swapped-out blocks.
         Stage 14: `speculative_config` (vLLM's keys), e.g. {"method": "ngram", "num_speculative_tokens": 4}
-        or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}: see roseinfer/spec_decode."""
+        or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}: see roseinfer/spec_decode.
+        Stage 15: `tensor_parallel_size` processes share the model, 1/N of every layer each; `close()` stops them."""
         check_int("max_num_seqs", max_num_seqs)  # before loading anything
         check_int("max_num_batched_tokens", max_num_batched_tokens, none_ok=True)
         check_bool("enable_chunked_prefill", enable_chunked_prefill)
@@ -74,7 +76,7 @@ class LLMEngine:
         self.engine = InferenceEngine(
             model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
-            attention_backend=attention_backend,
+            attention_backend=attention_backend, tensor_parallel_size=tensor_parallel_size,
         )  # fmt: skip
         self.tokenizer = self.engine.tokenizer
         self.block_manager = self.engine.make_block_manager(enable_prefix_caching, swap_space, watermark)
@@ -113,6 +115,10 @@ class LLMEngine:
         if request_id not in self.sessions:
             raise KeyError(f"cannot abort unknown request id {request_id!r} (finished requests are forgotten)")
         self._retire(self.sessions[request_id], reason="abort")
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (stage 15); a no-op with one process."""
+        self.engine.close()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.sessions)

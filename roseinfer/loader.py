@@ -8,7 +8,9 @@ from pathlib import Path
 
 import torch
 
+from roseinfer.checks import check_tensor_parallel_shapes
 from roseinfer.model import GPT2, GPT2Config
+from roseinfer.parallel_layers import shard_state_dict
 
 DEFAULT_MODEL = str(Path(__file__).parent / "models" / "tiny-shakespeare")
 
@@ -66,8 +68,11 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     raise FileNotFoundError(f"no model.safetensors or pytorch_model.bin in {str(model_dir)!r}")
 
 
-def load_model(model: str | os.PathLike | None, device: torch.device, dtype: torch.dtype) -> tuple[GPT2, Path]:
-    """Return (model in eval mode on `device` in `dtype`, the directory it came from)."""
+def load_model(
+    model: str | os.PathLike | None, device: torch.device, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1
+) -> tuple[GPT2, Path]:
+    """Return (model in eval mode on `device` in `dtype`, the directory it came from). Stage 15: with
+    `tp_size` > 1, only rank `tp_rank`'s shard of the weights (see roseinfer/parallel_layers.py)."""
     model_dir = resolve_model_dir(model)
     hf = json.loads((model_dir / "config.json").read_text())
     generation = model_dir / "generation_config.json"
@@ -81,7 +86,9 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
         if name.endswith((".attn.bias", ".attn.masked_bias")) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue  # old causal-mask buffers; a tied LM head is wte (as in transformers)
         ours[name] = w.t() if name.endswith(_CONV1D) else w
-    net = GPT2(cfg)
+    check_tensor_parallel_shapes(cfg.n_head, cfg.n_inner or 4 * cfg.n_embd, tp_size)
+    ours = shard_state_dict(ours, cfg.n_head, tp_rank, tp_size)  # stage 15: keep this rank's slices
+    net = GPT2(cfg, tp_size)
     expected = net.state_dict()
     wrong = [f"{n} {tuple(w.shape)} (expected {tuple(expected[n].shape)})"
              for n, w in ours.items() if n in expected and w.shape != expected[n].shape]  # fmt: skip

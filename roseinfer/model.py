@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from roseinfer.activations import get_activation
 from roseinfer.attention import AttentionMetadata
+from roseinfer.parallel_layers import ColumnParallelLinear, RowParallelLinear
 
 KV = tuple[torch.Tensor, torch.Tensor]  # one layer's (K pool, V pool), each [num_blocks, block_size, H, D]
 
@@ -54,15 +55,16 @@ class GPT2Config:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPT2Config, layer_idx: int = 0):
+    def __init__(self, cfg: GPT2Config, layer_idx: int = 0, tp_size: int = 1):
         super().__init__()
-        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
+        self.n_head, self.head_dim = cfg.n_head // tp_size, cfg.head_dim  # stage 15: this rank's heads
+        self.width = self.n_head * self.head_dim  # n_embd / tp_size: q, k and v of this rank's heads
         # softmax(q·kᵀ · scale) v: scale is 1/√D in GPT-2; two config switches change it (as in transformers)
         self.scale = self.head_dim**-0.5 if cfg.scale_attn_weights else 1.0
         if cfg.scale_attn_by_inverse_layer_idx:
             self.scale /= float(layer_idx + 1)
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # q, k, v in one matmul
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.c_attn = ColumnParallelLinear(cfg.n_embd, 3 * cfg.n_embd, tp_size)  # q, k, v in one matmul
+        self.c_proj = RowParallelLinear(cfg.n_embd, cfg.n_embd, tp_size)  # + an all-reduce when tp_size > 1
 
     def forward(self, x: torch.Tensor, kv_cache: KV | None = None, meta: AttentionMetadata | None = None):
         """Two shapes in, the same shape out.
@@ -74,25 +76,25 @@ class CausalSelfAttention(nn.Module):
                earlier steps wrote plus what this step just wrote.
         """
         if kv_cache is None:
-            B, T, C = x.shape
-            q, k, v = self.c_attn(x).split(C, dim=2)  # 3 × [B, T, C]
+            B, T, _ = x.shape
+            q, k, v = self.c_attn(x).split(self.width, dim=2)  # 3 × [B, T, C]
             q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
             # softmax(q kᵀ · scale) v, where token t may only look at tokens ≤ t
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)  # [B, H, T, D]
-            return self.c_proj(y.transpose(1, 2).reshape(B, T, C))  # merge heads back: [B, T, C]
-        N, C = x.shape
-        q, k, v = (t.view(N, self.n_head, self.head_dim) for t in self.c_attn(x).split(C, dim=1))  # 3 × [N, H, D]
+            return self.c_proj(y.transpose(1, 2).reshape(B, T, self.width))  # merge heads back: [B, T, C]
+        N = x.shape[0]
+        q, k, v = (t.view(N, self.n_head, self.head_dim) for t in self.c_attn(x).split(self.width, dim=1))  # [N, H, D]
         meta.backend.write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
         y = meta.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [N, H, D]
-        return self.c_proj(y.reshape(N, C))
+        return self.c_proj(y.reshape(N, self.width))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: GPT2Config):
+    def __init__(self, cfg: GPT2Config, tp_size: int = 1):
         super().__init__()
         inner = cfg.n_inner or 4 * cfg.n_embd
-        self.c_fc = nn.Linear(cfg.n_embd, inner)
-        self.c_proj = nn.Linear(inner, cfg.n_embd)
+        self.c_fc = ColumnParallelLinear(cfg.n_embd, inner, tp_size)  # stage 15: inner / tp_size features here
+        self.c_proj = RowParallelLinear(inner, cfg.n_embd, tp_size)  # + an all-reduce when tp_size > 1
         self.act = get_activation(cfg.activation_function)  # gelu_new: GELU with the tanh approximation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,12 +102,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPT2Config, layer_idx: int = 0):
+    def __init__(self, cfg: GPT2Config, layer_idx: int = 0, tp_size: int = 1):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
-        self.attn = CausalSelfAttention(cfg, layer_idx)
+        self.attn = CausalSelfAttention(cfg, layer_idx, tp_size)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp_size)
 
     def forward(self, x: torch.Tensor, kv_cache: KV | None = None, meta: AttentionMetadata | None = None):
         x = x + self.attn(self.ln_1(x), kv_cache, meta)
@@ -113,14 +115,16 @@ class Block(nn.Module):
 
 
 class GPT2(nn.Module):
-    def __init__(self, cfg: GPT2Config):
+    def __init__(self, cfg: GPT2Config, tp_size: int = 1):
+        """`tp_size` > 1 (stage 15): this process holds one rank's shard of every block (parallel_layers.py);
+        embeddings, LayerNorms and the LM head stay whole on every rank."""
         super().__init__()
-        self.config = cfg
+        self.config, self.tp_size = cfg, tp_size
         self.transformer = nn.ModuleDict(
             dict(
                 wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),  # token embeddings
                 wpe=nn.Embedding(cfg.n_positions, cfg.n_embd),  # learned position embeddings
-                h=nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer)),
+                h=nn.ModuleList(Block(cfg, i, tp_size) for i in range(cfg.n_layer)),
                 ln_f=nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon),
             )
         )
