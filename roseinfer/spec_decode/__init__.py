@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Protocol
 
+from roseinfer.checks import is_int
 from roseinfer.session import InferenceSession
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {METHODS}, got {self.method!r}")
         k = self.num_speculative_tokens
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        if not is_int(k) or k < 1:
             raise ValueError(f"num_speculative_tokens must be an int >= 1, got {k!r}")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config method 'draft_model' needs 'model': the draft model's path")
@@ -75,7 +76,7 @@ class SpeculativeConfig:
             lo = 1 if lo is None else lo
             hi = max(5, lo) if hi is None else hi
             for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                if not is_int(v) or v < 1:
                     raise ValueError(f"{name} must be an int >= 1, got {v!r}")
             if lo > hi:
                 raise ValueError(f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
