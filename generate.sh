@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# Continue a prompt with the bundled GPT-2, streaming tokens as they come (stages 01-02).
-# First run sets up .venv.
+# Continue a prompt with the bundled GPT-2, streaming tokens as they come (python -m roseinfer.entrypoints.generate).
+# First run sets up .venv. The naive no-cache loop of chapter 01 (--no-kv-cache) is at its tag, stage-01-naive-decode.
 #   ./generate.sh --prompt "Hamlet." --max-new-tokens 64 --temperature 0.8 --seed 1
-#   ./generate.sh --no-kv-cache      # the naive stage-01 loop
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/setup.sh
-exec "$VENV/bin/python" -m roseinfer.generate "$@"
+exec "$VENV/bin/python" -m roseinfer.entrypoints.generate "$@"

@@ -1,14 +1,14 @@
 """roseinfer: an LLM inference engine built stage by stage, for reading."""
 
-from roseinfer.engine import InferenceEngine
-from roseinfer.llm import LLM
-from roseinfer.llm_engine import LLMEngine
-from roseinfer.loader import DEFAULT_MODEL
+from roseinfer.config import EngineArgs
+from roseinfer.engine.llm_engine import LLMEngine
+from roseinfer.entrypoints.llm import LLM
+from roseinfer.model_executor.loader import DEFAULT_MODEL
 from roseinfer.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
-from roseinfer.sampling import BeamSearchParams, SamplingParams
+from roseinfer.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __all__ = [
-    "DEFAULT_MODEL", "LLM", "LLMEngine", "InferenceEngine", "RequestOutput", "CompletionOutput", "SamplingParams",
-    "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
+    "DEFAULT_MODEL", "LLM", "LLMEngine", "EngineArgs", "RequestOutput", "CompletionOutput", "SamplingParams",
+    "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "RequestOutputKind",
 ]  # fmt: skip
 __version__ = "0.1.0"

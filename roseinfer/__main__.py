@@ -1,5 +1,5 @@
-"""`python -m roseinfer serve ...`: see roseinfer/cli.py."""
+"""`python -m roseinfer serve ...`: see roseinfer/entrypoints/cli.py."""
 
-from roseinfer.cli import main
+from roseinfer.entrypoints.cli import main
 
 main()

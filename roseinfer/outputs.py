@@ -1,39 +1,106 @@
-"""What `LLM.generate` and `LLM.beam_search` return for each prompt (vLLM's shapes)."""
+"""What `LLM.generate`, `LLMEngine.step` and `LLM.beam_search` return (vLLM's shapes).
+
+A streaming engine hands back an output for every request at every step, and each output shows all the
+text and tokens so far. Building that text at every step would cost O(length) per request per step, so
+`text` and `token_ids` are snapshots taken lazily (`CompletionOutput.snapshot`): an output records how
+many tokens (and text pieces) its request had at that step, and joins them only when read. Reading `.text`
+of the last output once costs one join; never reading it costs nothing.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
-@dataclass
 class CompletionOutput:
-    """One of a request's `n` completions (stage 11)."""
+    """One of a request's `n` completions: index 0 .. n-1, its text and token ids, and why it ended ("stop",
+    "length", "abort", or None while it runs)."""
 
-    index: int  # 0 .. n-1
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
-    cumulative_logprob: float | None = None  # sum of the log-probabilities of token_ids (None: not tracked)
+    __slots__ = ("index", "_text", "_token_ids", "_num_pieces", "_num_tokens", "finish_reason", "cumulative_logprob")
+
+    def __init__(self, index: int, text: str | list[str], token_ids: list[int], finish_reason: str | None = None,
+                 cumulative_logprob: float | None = None, num_pieces: int | None = None,
+                 num_tokens: int | None = None):  # fmt: skip
+        """`num_pieces` / `num_tokens` given: `text` is a list of text pieces and `token_ids` a list, both of
+        which only grow, and this completion is their first pieces and ids (see `snapshot`)."""
+        self.index, self._text, self._token_ids = index, text, token_ids
+        self._num_pieces, self._num_tokens = num_pieces, num_tokens
+        self.finish_reason, self.cumulative_logprob = finish_reason, cumulative_logprob
+
+    @classmethod
+    def snapshot(cls, index: int, pieces: list[str], token_ids: list[int], finish_reason: str | None,
+                 cumulative_logprob: float | None) -> CompletionOutput:  # fmt: skip
+        """The completion as it is now, of lists that only grow: their lengths are noted, nothing is copied;
+        `text` joins the first pieces, `token_ids` slices the first ids, when read."""
+        return cls(index, pieces, token_ids, finish_reason, cumulative_logprob, len(pieces), len(token_ids))
+
+    @property
+    def text(self) -> str:
+        if self._num_pieces is not None:
+            self._text, self._num_pieces = "".join(self._text[: self._num_pieces]), None
+        return self._text
+
+    @property
+    def token_ids(self) -> list[int]:
+        if self._num_tokens is not None:
+            self._token_ids, self._num_tokens = self._token_ids[: self._num_tokens], None
+        return self._token_ids
+
+    def _key(self) -> tuple:
+        return self.index, self.text, self.token_ids, self.finish_reason, self.cumulative_logprob
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, CompletionOutput) and self._key() == other._key()
+
+    def __repr__(self) -> str:
+        return (f"CompletionOutput(index={self.index}, text={self.text!r}, token_ids={self.token_ids}, "
+                f"finish_reason={self.finish_reason!r}, cumulative_logprob={self.cumulative_logprob})")  # fmt: skip
 
 
-@dataclass
 class RequestOutput:
-    """What a caller gets back (the names of vLLM's RequestOutput). `text`, `token_ids` and
-    `finish_reason` are the first completion's, so code written for n = 1 keeps working."""
+    """What a caller gets back for one request (the names of vLLM's RequestOutput). `text`, `token_ids` and
+    `finish_reason` are the first completion's, so code written for n = 1 keeps working; `outputs` has all n."""
 
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None  # "stop" (EOS, stop token, stop string) | "length" | "abort" | None while running
-    delta: str = ""  # text that became final in the last engine step (streaming)
-    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (stage 10)
-    outputs: list[CompletionOutput] = field(default_factory=list)  # all n completions (stage 11)
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "_outputs", "finish_reason", "delta", "num_cached_tokens",
+                 "_snapshot")  # fmt: skip
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 outputs: list[CompletionOutput] | None, finish_reason: str | None, delta: str = "",
+                 num_cached_tokens: int = 0, snapshot: tuple | None = None):  # fmt: skip
+        """`outputs`, or (one completion, as a step of a stream sees it) `snapshot`: (its text pieces, its token
+        ids), lists that only grow, whose lengths now are noted; `outputs` is then made when first read."""
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self._outputs, self.finish_reason = outputs, finish_reason
+        self.delta = delta  # text that became final in the last engine step (streaming)
+        self.num_cached_tokens = num_cached_tokens  # prompt tokens whose K/V came from the prefix cache
+        if snapshot is not None:
+            pieces, ids = snapshot
+            self._snapshot = (pieces, len(pieces), ids, len(ids))
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        if self._outputs is None:
+            pieces, n_pieces, ids, n_ids = self._snapshot
+            self._outputs = [CompletionOutput(0, pieces, ids, self.finish_reason, None, n_pieces, n_ids)]
+        return self._outputs
+
+    @property
+    def text(self) -> str:
+        outputs = self.outputs
+        return outputs[0].text if outputs else ""
+
+    @property
+    def token_ids(self) -> list[int]:
+        outputs = self.outputs
+        return outputs[0].token_ids if outputs else []
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "
+                f"finish_reason={self.finish_reason!r}, outputs={self.outputs})")  # fmt: skip
 
 
 @dataclass

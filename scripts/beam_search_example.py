@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from roseinfer import LLMEngine, SamplingParams
-from roseinfer.sampling import BeamSearchParams
+from roseinfer import BeamSearchParams, LLMEngine, SamplingParams
 
 
 def blocks_row(table: list[int], refs: dict[int, int]) -> str:
@@ -36,7 +35,7 @@ def main() -> None:
     eng.trace = []
     params = BeamSearchParams(args.beam_width, args.max_tokens)
     eng.add_request("b", args.prompt, params)
-    group = eng.sessions["b"].group
+    group = eng.scheduler.requests["b"].group  # the beams: "b", "b#1", ... (roseinfer/core/request.py)
     print(f"beam search, width {args.beam_width}, block size {args.block_size}; prompt {args.prompt!r}")
     print("after each step: beam, its generated tokens, its block table (NxR = block N held by R beams)\n")
     result = None
@@ -49,7 +48,7 @@ def main() -> None:
         for beam in group.seqs:
             table = t["block_tables"].get(beam.request_id)
             if table is not None:
-                ids = " ".join(map(str, beam.output_ids[-6:]))
+                ids = " ".join(map(str, beam.output_token_ids[-6:]))
                 print(f"  {beam.request_id:<5} ...{ids:<28} blocks {blocks_row(table, t['ref_counts'])}")
     print("\nfinished sequences, best first (score = cum_logprob / length ** length_penalty):")
     for c in result.outputs:
@@ -64,7 +63,7 @@ def main() -> None:
         peak = 0
         while e.has_unfinished_requests():
             e.step()
-            peak = max(peak, e.block_manager.stats().used_blocks)
+            peak = max(peak, e.kv_cache_manager.num_used_blocks)
         print(f"  {name:<11} prompt {len(prompt_ids)} tokens: at most {peak} KV blocks in use")
 
 

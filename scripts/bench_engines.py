@@ -11,7 +11,6 @@ extras is a dict of what else it measured (roseinfer: time to first token, prefi
 
 from __future__ import annotations
 
-import inspect
 import math
 import statistics
 import sys
@@ -38,16 +37,13 @@ def run_roseinfer(wl, model_dir: Path, device, dtype, batch_size: int, enable_pr
     written out here to time each request's first token)."""
     from roseinfer import LLM, SamplingParams
 
-    kwargs = {"max_num_seqs": batch_size}
-    if "enable_prefix_caching" in inspect.signature(LLM).parameters:
-        kwargs["enable_prefix_caching"] = enable_prefix_caching
-    llm = LLM(model=str(model_dir), device=str(device), dtype=dtype, **kwargs)
+    llm = LLM(model=str(model_dir), device=str(device), dtype=dtype, max_num_seqs=batch_size,
+              enable_prefix_caching=enable_prefix_caching)  # fmt: skip
     params = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     llm.generate([[1, 2, 3], [4, 5]], [params(2), params(2)], use_tqdm=False)  # warm-up
-    if hasattr(llm.llm_engine, "reset_prefix_cache"):
-        llm.llm_engine.reset_prefix_cache()  # nothing from the warm-up may be hit
     engine, first, done = llm.llm_engine, {}, {}
-    before = engine.get_stats() if hasattr(engine, "get_stats") else {}
+    engine.reset_prefix_cache()  # nothing from the warm-up may be hit
+    before = engine.get_stats()
     sync(device)
     t0 = time.perf_counter()
     for i, (prompt, n) in enumerate(zip(wl.prompts, wl.output_lens, strict=True)):
@@ -60,9 +56,8 @@ def run_roseinfer(wl, model_dir: Path, device, dtype, batch_size: int, enable_pr
     sync(device)
     secs = time.perf_counter() - t0
     extras = {"ttft_p50_s": statistics.median(first.values())}
-    if before:  # the timed run's own prefix-cache lookups and hits (the warm-up's are not counted)
-        after = engine.get_stats()
-        extras |= {k: after[k] - before[k] for k in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")}
+    after = engine.get_stats()  # the timed run's own prefix-cache lookups and hits (the warm-up's are not counted)
+    extras |= {k: after[k] - before[k] for k in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")}
     return [done[str(i)] for i in range(len(wl.prompts))], secs, extras
 
 

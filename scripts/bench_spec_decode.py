@@ -168,7 +168,7 @@ def profile(args) -> None:
              ("~", "<built-in method torch._C._nn.scaled_dot_product_attention>"): "attention (SDPA)",
              ("draft_model.py", "propose"): "DraftModelProposer.propose",
              ("ngram.py", "propose"): "NgramProposer.propose",
-             ("model_runner.py", "execute_model"): "ModelRunner.execute_model (target)",
+             ("model_runner.py", "execute_model"): "ModelRunner.execute_model (+ propose)",
              ("rejection_sampler.py", "rejection_sample"): "rejection_sample"}  # fmt: skip
     ngram, draft = {"method": "ngram"}, {"method": "draft_model", "model": DRAFT}
     runs = [("plain", None, "repetitive"), ("ngram", {**ngram, "num_speculative_tokens": 4}, "repetitive"),

@@ -9,7 +9,8 @@ through a small adapter for the API that stage had:
 
     01  InferenceEngine.generate_ids, one request after another, EOS ignored (naive, no cache)
     02  InferenceEngine.token_stream, one request after another (KV cache)
-    03+ LLM.generate on all requests at once (max_num_seqs where the stage has it)
+    03+ LLM.generate on all requests at once (max_num_seqs where the stage has it: from 06 on; from 16 on
+        LLM takes it as one of its keyword arguments, the fields of EngineArgs)
 
 All stages use this checkout's bundled model, on the same device, with the same seeded
 requests (greedy, exact output lengths). `hf-generate` and `hf-cb` come from
@@ -47,7 +48,9 @@ elif stage == 2:
     run = lambda: [list(eng.token_stream(p, sp(n))) for p, n in zip(prompts, lens)]
 else:
     from roseinfer import LLM, SamplingParams
-    kw = {"max_num_seqs": spec["batch_size"]} if "max_num_seqs" in inspect.signature(LLM).parameters else {}
+    ps = inspect.signature(LLM).parameters  # 03-05: no max_num_seqs; 06-15: a parameter; 16+: an EngineArgs kwarg
+    takes = "max_num_seqs" in ps or any(p.kind is p.VAR_KEYWORD for p in ps.values())
+    kw = {"max_num_seqs": spec["batch_size"]} if takes else {}
     llm = LLM(model=model, device=device, **kw)
     sp = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
     run = lambda: [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]

@@ -8,14 +8,15 @@ Every step is one forward pass over at most `--budget` tokens. Running requests 
 token each), and the long prompt gets what is left of the budget, chunk after chunk, until its
 whole prompt is in the KV cache; then it samples its first token and decodes like the others.
 With `--no-chunking` its whole prompt has to fit one step, so the budget must hold the model's
-context, and that one step carries the whole prompt next to the decodes.
+context, and that one step carries the whole prompt next to the decodes. At the end each request's
+tokens are compared with the same request run alone (its whole prompt in one step) on a second engine.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from roseinfer import LLMEngine, SamplingParams
+from roseinfer import LLM, LLMEngine, SamplingParams
 
 SHORT = {"a": "Romeo.\n", "b": "Juliet.\n", "c": "Nurse.\n"}
 TEXT = "Enter Hamlet, reading.\n\nPolonius.\nWhat do you read, my lord?\n\nHamlet.\nWords, words, words.\n"
@@ -62,10 +63,13 @@ def main() -> None:
                 label = "chunk " if rid == "long" and n[rid] > 1 and rid not in got else ""
                 cells.append(f"{label}{n[rid]}{'*' if rid in got else ''}")
         print(f"{step:>4} {sum(n.values()):>6}  " + "".join(f"{c:>9}" for c in cells))
-    solo = {rid: list(eng.engine.token_stream(eng.engine.encode_prompt(p), params)) for rid, p in SHORT.items()}
-    solo["long"] = list(eng.engine.token_stream(long_ids, params))
+    # each request alone, its whole prompt in one step, on a second engine with nothing shared
+    ref = LLM(args.model, device=args.device, enable_chunked_prefill=False, enable_prefix_caching=False)
+    solo = {
+        rid: ref.generate([p], params, use_tqdm=False)[0].token_ids for rid, p in [*SHORT.items(), ("long", long_ids)]
+    }
     same = sum(done[r] == solo[r] for r in solo)
-    print(f"\n{step} steps; blocks in use after the run: {eng.block_manager.stats().used_blocks}")
+    print(f"\n{step} steps; blocks in use after the run: {eng.kv_cache_manager.stats().used_blocks}")
     print("all outputs equal their solo runs" if same == len(solo) else f"only {same}/{len(solo)} equal solo runs!")
 
 

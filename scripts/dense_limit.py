@@ -36,9 +36,10 @@ def ideal_steps(prompt_lens: list[int], output_lens: list[int], batch_size: int)
 
 @torch.inference_mode()
 def run_dense_limit(wl, model_dir: Path, device, dtype, batch_size: int):
-    from roseinfer.loader import load_model
+    from roseinfer.model_executor.loader import load_model, read_model_config, resolve_model_dir
 
-    model, _ = load_model(str(model_dir), torch.device(device), dtype)
+    path = resolve_model_dir(str(model_dir))
+    model = load_model(path, read_model_config(path), torch.device(device), dtype)
     cfg, tr = model.config, model.transformer
     H, D, C = cfg.n_head, cfg.head_dim, cfg.n_embd
     steps = ideal_steps([len(p) for p in wl.prompts], wl.output_lens, batch_size)

@@ -23,9 +23,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from roseinfer.hf_tokenizer import EOT, byte_decoder  # noqa: E402
-from roseinfer.loader import DEFAULT_MODEL  # noqa: E402
-from roseinfer.tokenizer import Tokenizer, read_tiktoken_file  # noqa: E402
+from roseinfer.model_executor.loader import DEFAULT_MODEL  # noqa: E402
+from roseinfer.tokenizer import Tokenizer  # noqa: E402
+from roseinfer.tokenizer.hf_tokenizer import EOT, byte_decoder  # noqa: E402
+from roseinfer.tokenizer.tokenizer import read_tiktoken_file  # noqa: E402
 
 
 def last_merge(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Stage 08 on a GPU machine: the @pytest.mark.cuda tests, ./verify_paged_attention.sh, and
-# the gpu benchmark (random-weight gpt2-medium shapes, fp16). Writes results/gpu_report.md.
+# On a GPU machine: the @pytest.mark.cuda tests, ./verify_paged_attention.sh, the gpu benchmark
+# (random-weight gpt2-medium shapes, fp16) and the engine step with CUDA graphs off and on and with
+# async scheduling (stage 16). Writes results/gpu_report.md.
 #
 # It uses an existing CUDA build of torch (PYTHON, default python3) rather than .venv, whose
 # torch is the CPU wheel. That interpreter needs torch, triton, transformers, tiktoken,
@@ -33,5 +34,9 @@ run "pytest -m cuda" "$PY" -m pytest -q -m cuda tests/
 run "verify_paged_attention" "$PY" scripts/verify_paged_attention.py
 run "benchmark --workload gpu (gpt2-medium shapes, fp16)" "$PY" scripts/benchmark.py --workload gpu \
   --model gpt2-medium --dtype float16 --batch-size 256 --json results/gpu_benchmark.json
+for opts in "--enforce-eager" "" "--async-scheduling"; do  # stage 16: CUDA graphs off / on, and async scheduling
+  run "engine step at 256 requests ${opts:-(CUDA graphs)}" "$PY" scripts/bench_engine_step.py --device cuda $opts \
+    --out "results/gpu_engine_step${opts// /}.json"
+done
 echo "wrote $report"
 exit $status

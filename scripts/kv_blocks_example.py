@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 
 from roseinfer import LLM, SamplingParams
-from roseinfer.block_manager import BlockSpaceManager
-from roseinfer.scheduler import OfflineScheduler
 
 PROMPTS = [
     "Romeo.\n",
@@ -48,23 +46,28 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
 
-    llm = LLM(model=args.model, device=args.device)
-    bm = BlockSpaceManager(block_size=args.block_size, num_blocks=args.num_blocks)
-    sched = OfflineScheduler(llm.engine, bm, trace=True)
+    llm = LLM(model=args.model, device=args.device, block_size=args.block_size, num_blocks=args.num_blocks,
+              enable_prefix_caching=False)  # fmt: skip
+    eng = llm.llm_engine
+    eng.trace = []  # every step: who ran, and a copy of the KV cache manager's books (block tables, counts)
     for i, prompt in enumerate(PROMPTS):
         m = args.max_tokens[i % len(args.max_tokens)]
-        rid = sched.add_request(prompt, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
-        print(f"request {rid}: {len(llm.tokenizer.encode(prompt))} prompt tokens, {m} new tokens")
-    sched.run()
+        eng.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
+        print(f"request {i}: {len(llm.tokenizer.encode(prompt))} prompt tokens, {m} new tokens")
+    while eng.has_unfinished_requests():
+        eng.step()
     print(f"\nblock_size {args.block_size}, pool of {args.num_blocks} blocks; tables after selected steps:")
-    for t in sched.trace:
-        finished = [r for r in sched.sessions if r in t["ran"] and r not in t["block_tables"]]
-        if t["step"] in args.steps or finished:
+    for t in eng.trace:
+        finished = t["finished"]
+        if t["step"] in args.steps or finished or t["preempted_req_ids"]:
             who = f"request {finished[0]}; its" if len(finished) == 1 else f"requests {' '.join(finished)}; their"
             note = f"  (finished: {who} blocks are free again)" if finished else ""
+            if t["preempted_req_ids"]:  # a pool too small for everyone: the youngest gives its blocks back
+                note += f"  (preempted: {' '.join(t['preempted_req_ids'])}, to be recomputed)"
             print(f"\nstep {t['step']}: ran {' '.join(t['ran'])}{note}")
             print(render(t, args.block_size))
-    print(f"\nafter run(): {bm.stats().used_blocks} blocks in use, {bm.stats().free_blocks} free")
+    s = eng.kv_cache_manager.stats()
+    print(f"\nafter the run: {s.used_blocks} blocks in use, {s.free_blocks} free")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from roseinfer import LLMEngine, SamplingParams  # noqa: E402
 def run(model_dir, args, chunked: bool, budget: int) -> dict:
     eng = LLMEngine(str(model_dir), device="cpu", max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
                     max_num_seqs=args.num_short + args.num_long)  # fmt: skip
-    vocab = eng.engine.config.vocab_size - 1
+    vocab = eng.config.model_config.vocab_size - 1
     g = torch.Generator().manual_seed(0)
     short = SamplingParams(temperature=0, max_tokens=args.short_tokens, ignore_eos=True)
     long = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

@@ -2,7 +2,9 @@
 
 Naive decode re-runs the model over the whole sequence for every new token, so the
 time per token grows with the length. We time one forward at each length, the way the
-naive loop would call it, and plot it.
+naive loop would call it, and plot it. The naive loop itself is chapter 01's code (its stage tag);
+the model's dense forward `GPT2.forward(input_ids [1, T])` it called is still in
+roseinfer/model_executor/gpt2.py, and that is what is timed.
 
     python scripts/measure_naive_latency.py --out chapters/01-naive-decode/naive_latency.png
 """
@@ -15,7 +17,8 @@ import time
 
 import torch
 
-from roseinfer import DEFAULT_MODEL, InferenceEngine
+from roseinfer import DEFAULT_MODEL
+from roseinfer.model_executor.loader import load_model, read_model_config, resolve_model_dir
 
 
 def time_forward(model, T: int, repeats: int) -> float:
@@ -37,15 +40,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     torch.manual_seed(0)
-    eng = InferenceEngine(args.model, device="cpu", dtype=torch.float32)
-    n_ctx = eng.config.n_positions
+    path = resolve_model_dir(args.model)
+    cfg = read_model_config(path)
+    model = load_model(path, cfg, torch.device("cpu"), torch.float32)  # GPT2.forward: no KV cache
+    n_ctx = cfg.n_positions
     lengths = [1, 16, 32, 64, 96, 128, 192, 256, 320, 384, 448, n_ctx - 1]
-    ms = [1000 * time_forward(eng.model, T, args.repeats) for T in lengths]
+    ms = [1000 * time_forward(model, T, args.repeats) for T in lengths]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, model {os.path.relpath(args.model)}")
     print(f"{'sequence length':>16} {'ms per new token':>17}")
     for T, m in zip(lengths, ms, strict=True):
         print(f"{T:>16} {m:>17.2f}")
-    total = sum(1000 * time_forward(eng.model, T, 1) for T in range(1, n_ctx, 32)) * 32 / 1000
+    total = sum(1000 * time_forward(model, T, 1) for T in range(1, n_ctx, 32)) * 32 / 1000
     print(f"estimated time to generate {n_ctx - 1} tokens from a 1-token prompt: {total:.1f} s")
 
     import matplotlib

@@ -27,7 +27,7 @@ def main() -> None:
     llm = LLM(model=args.model, device=args.device)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
-    vocab = llm.engine.config.vocab_size - 1
+    vocab = llm.llm_engine.config.model_config.vocab_size - 1
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     print(f"device {args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"prompt {args.prompt_len} tokens, {args.max_tokens} new tokens each")  # fmt: skip

@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark import REPO, make_workload, resolve_model  # noqa: E402
 
 from roseinfer import LLMEngine, SamplingParams  # noqa: E402
-from roseinfer.kv_cache import swap_blocks  # noqa: E402
+from roseinfer.model_executor.loader import read_model_config, resolve_model_dir  # noqa: E402
+from roseinfer.worker.kv_cache import swap_blocks  # noqa: E402
 
 PCIE5_BYTES_PER_S = 64e9  # x16, one direction
 H100_BF16_FLOPS = 989e12  # dense
@@ -40,29 +41,30 @@ H100_BF16_FLOPS = 989e12  # dense
 def measure_cost(model_dir: str | None, lengths: list[int], repeats: int) -> list[dict]:
     eng = LLMEngine(model_dir, device="cpu", dtype="float32", block_size=16, max_num_batched_tokens=4096,
                     enable_prefix_caching=False, swap_space=1)  # fmt: skip
-    bm, runner = eng.block_manager, eng.model_runner
+    kv, runner = eng.kv_cache_manager, eng.model_runner
     rows = []
     for L in lengths:
         recompute, swap = [], []
         for r in range(repeats + 1):  # the first round warms up
             rid = f"L{L}-{r}"
-            eng.add_request(rid, [(7 * i + r) % 4000 for i in range(L)], SamplingParams(temperature=0, max_tokens=1))
+            # max_tokens 2: after its prefill the request still runs, so it still holds its blocks
+            eng.add_request(rid, [(7 * i + r) % 4000 for i in range(L)], SamplingParams(temperature=0, max_tokens=2))
             sched = eng.scheduler.schedule()
             t0 = time.perf_counter()
             out = runner.execute_model(sched)  # the prefill of L tokens: what a recompute redoes
             t1 = time.perf_counter()
             eng.scheduler.update_from_output(sched, out)
-            out_pairs = bm.swap_out([rid])
             t2 = time.perf_counter()
-            swap_blocks(bm.kv_cache.layers, bm.host_kv_cache.layers, out_pairs)
-            in_pairs = bm.swap_in([rid])
-            swap_blocks(bm.host_kv_cache.layers, bm.kv_cache.layers, in_pairs)
+            out_pairs = kv.swap_out([rid])
+            swap_blocks(runner.kv_cache.layers, runner.host_kv_cache.layers, out_pairs)
+            in_pairs = kv.swap_in([rid])
+            swap_blocks(runner.host_kv_cache.layers, runner.kv_cache.layers, in_pairs)
             t3 = time.perf_counter()
             eng.abort_request(rid)
             if r:
                 recompute.append(t1 - t0)
-                swap.append(t3 - t2)  # the block manager's bookkeeping is inside too: it is part of a swap
-        nbytes = 2 * bm.blocks_for(L) * eng.engine.kv_bytes_per_token * bm.block_size  # out and back in
+                swap.append(t3 - t2)  # the KV cache manager's bookkeeping is inside too: it is part of a swap
+        nbytes = 2 * kv.blocks_for(L) * eng.config.model_config.kv_bytes_per_token() * kv.block_size  # out, back in
         rows.append({"L": L, "recompute_ms": 1e3 * statistics.median(recompute),
                      "swap_ms": 1e3 * statistics.median(swap), "bytes": nbytes})  # fmt: skip
     return rows
@@ -91,7 +93,7 @@ def watermark_counts(model_dir, num_blocks: int, watermarks: list[float], mode: 
     for wm in watermarks:
         eng = LLMEngine(model_dir, device="cpu", dtype="float32", num_blocks=num_blocks, max_num_seqs=32,
                         watermark=wm, preemption_mode=mode)  # fmt: skip
-        cfg = eng.engine.config
+        cfg = eng.config.model_config.hf_config
         wl = make_workload(
             ns, cfg.n_positions, cfg.vocab_size, Path(model_dir or REPO / "roseinfer/models/tiny-shakespeare")
         )
@@ -100,7 +102,7 @@ def watermark_counts(model_dir, num_blocks: int, watermarks: list[float], mode: 
         while eng.has_unfinished_requests():
             eng.step()
         s = eng.get_stats()
-        out.append((wm, eng.block_manager.watermark_blocks, s["num_preemptions"], eng.num_steps))
+        out.append((wm, eng.kv_cache_manager.watermark_blocks, s["num_preemptions"], eng.num_steps))
     return out
 
 
@@ -119,7 +121,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = str(resolve_model(args.model, REPO / ".cache" / "random-models")) if args.model else None
-    cfg = LLMEngine(model_dir, device="cpu", num_blocks=4, swap_space=0).engine.config
+    cfg = read_model_config(resolve_model_dir(model_dir))  # GPT2Config: layers, width, context
     print(f"model {args.model or 'bundled'}: {cfg.n_layer} layers, n_embd {cfg.n_embd}, context {cfg.n_positions}; "
           f"{torch.get_num_threads()} threads")  # fmt: skip
     lengths = [n for n in args.lengths if n < cfg.n_positions]

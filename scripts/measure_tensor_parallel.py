@@ -83,9 +83,9 @@ def measure_allreduce(tokens: list[int], iters: int) -> dict[int, float]:
 
 # ---- 2. the engine, TP = 1 and TP = 2 ---------------------------------------------------------------------
 def run_engine(model_dir: Path, tp: int, prompts: list[list[int]], max_tokens: int) -> dict:
-    import roseinfer.distributed as rd
+    import roseinfer.worker.tp_worker as rd
     from roseinfer import LLM, SamplingParams
-    from roseinfer.parallel_layers import CommStats
+    from roseinfer.model_executor.parallel_layers import CommStats
 
     torch.set_num_threads(tp)  # TP = 2 gives each rank tp // tp = 1 thread; TP = 1 gets 1
     if tp == 1:

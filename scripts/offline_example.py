@@ -11,7 +11,6 @@ import argparse
 import time
 
 from roseinfer import LLM, SamplingParams
-from roseinfer.scheduler import OfflineScheduler
 
 DEFAULT_PROMPTS = [
     "Romeo.\n",
@@ -35,7 +34,7 @@ def main() -> None:
     ap.add_argument("--timeline", action="store_true", help="print which request runs at each step")
     args = ap.parse_args()
 
-    llm = LLM(model=args.model, device=args.device)
+    llm = LLM(model=args.model, device=args.device, max_num_seqs=max(64, len(args.prompts)))
     params = [
         SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                        max_tokens=args.max_tokens, seed=args.seed + i, stop=args.stop)
@@ -51,16 +50,18 @@ def main() -> None:
     n = sum(len(o.token_ids) for o in outputs)
     print(f"{len(outputs)} requests, {n} output tokens in {dt:.2f}s ({n / dt:.1f} tokens/s)")
 
-    if args.timeline:  # the same requests, stepped by hand to show the round-robin order
-        sched = OfflineScheduler(llm.engine)
-        for prompt, p in zip(args.prompts, params, strict=True):
-            sched.add_request(prompt, p)
+    if args.timeline:  # the same requests again, one engine step at a time, recorded in the engine's trace
+        eng = llm.llm_engine
+        eng.trace = []
+        for i, (prompt, p) in enumerate(zip(args.prompts, params, strict=True)):
+            eng.add_request(str(i), prompt, p)  # all admitted in the first step (max_num_seqs is large enough)
         print("\nstep | requests advanced (in order)")
         step = 0
-        while sched.has_unfinished():
+        while eng.has_unfinished_requests():
             step += 1
-            ran = sched.step()
-            if step <= 3 or not sched.has_unfinished() or len(ran) < len(sched.sessions):
+            eng.step()
+            ran = eng.trace[-1]["ran"]  # every request scheduled in this step: one forward for all of them
+            if step <= 3 or not eng.has_unfinished_requests() or len(ran) < len(args.prompts):
                 print(f"{step:4d} | " + " ".join(ran))
 
 

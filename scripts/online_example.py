@@ -75,7 +75,7 @@ def main() -> None:
         end, n, why = done[rid]
         ttft, total = 1000 * (first[rid] - arrived[rid]), 1000 * (end - arrived[rid])
         print(f"{rid:>7} {a:>12} {n:>10} {ttft:>8.1f} {total:>10.1f}  {why}")
-    print(f"KV blocks in use after the run: {engine.block_manager.stats().used_blocks}")
+    print(f"KV blocks in use after the run: {engine.kv_cache_manager.stats().used_blocks}")
 
 
 if __name__ == "__main__":

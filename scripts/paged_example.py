@@ -15,7 +15,7 @@ import argparse
 
 from kv_blocks_example import render  # scripts/kv_blocks_example.py
 
-from roseinfer import LLMEngine, SamplingParams
+from roseinfer import LLM, LLMEngine, SamplingParams
 
 PROMPTS = ["Romeo.\n", "Juliet.\n", "Enter the Ghost.\n\nHamlet.\n", "Lear.\n", "Nurse.\n", "Fool.\n"]
 
@@ -35,7 +35,7 @@ def main() -> None:
     for i, prompt in enumerate(PROMPTS):
         eng.add_request(str(i), prompt, params)
     print(f"{len(PROMPTS)} requests, {args.max_tokens} new tokens each; pool: {args.num_blocks} blocks of "
-          f"{args.block_size} tokens ({eng.block_manager.kv_cache.nbytes / 1024:.0f} KiB of K/V)")  # fmt: skip
+          f"{args.block_size} tokens ({eng.model_runner.kv_cache.nbytes / 1024:.0f} KiB of K/V)")  # fmt: skip
     texts = {}
     last_preemptions, step = 0, 0
     while eng.has_unfinished_requests():
@@ -57,9 +57,9 @@ def main() -> None:
             print(render(t, args.block_size))
             last_preemptions = t["preemptions"]
     print(f"\n{eng.scheduler.num_preemptions} preemptions in {step} steps; "
-          f"blocks in use after the run: {eng.block_manager.stats().used_blocks}")  # fmt: skip
-    solo = {str(i): eng.engine.generate(p, max_new_tokens=args.max_tokens, ignore_eos=True) for i, p in
-            enumerate(PROMPTS)}  # fmt: skip
+          f"blocks in use after the run: {eng.kv_cache_manager.stats().used_blocks}")  # fmt: skip
+    ref = LLM(args.model, device=args.device)  # a pool with room for everyone: nobody is preempted
+    solo = {str(i): ref.generate([p], params, use_tqdm=False)[0].text for i, p in enumerate(PROMPTS)}
     same = sum(texts[r] == solo[r] for r in solo)
     print(f"{same}/{len(solo)} requests produced exactly their solo (unpreempted) text")
 

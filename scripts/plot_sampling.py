@@ -9,7 +9,9 @@ import argparse
 
 import torch
 
-from roseinfer import DEFAULT_MODEL, InferenceEngine
+from roseinfer import DEFAULT_MODEL
+from roseinfer.model_executor.loader import load_model, read_model_config, resolve_model_dir
+from roseinfer.tokenizer import Tokenizer
 
 
 def main() -> None:
@@ -18,9 +20,12 @@ def main() -> None:
     ap.add_argument("--out", default="chapters/02-kv-cache/sampling.png")
     ap.add_argument("--show", type=int, default=25, help="tokens on the x axis")
     args = ap.parse_args()
-    eng = InferenceEngine(DEFAULT_MODEL, device="cpu")
+    path = resolve_model_dir(DEFAULT_MODEL)
+    cfg = read_model_config(path)
+    model = load_model(path, cfg, torch.device("cpu"), torch.float32)
+    tokenizer = Tokenizer.from_model_dir(path, cfg.vocab_size)
     with torch.no_grad():
-        logits = eng.model(torch.tensor([eng.tokenizer.encode(args.prompt)]))[0, -1]  # [V]
+        logits = model(torch.tensor([tokenizer.encode(args.prompt)]))[0, -1]  # the dense forward: [V]
 
     def filtered(temperature: float, top_k: int, top_p: float) -> torch.Tensor:
         p = torch.softmax(logits / temperature, dim=-1)
@@ -32,7 +37,7 @@ def main() -> None:
 
     base = torch.softmax(logits, dim=-1)
     top = base.argsort(descending=True)[: args.show]
-    labels = [repr(eng.tokenizer.decode([int(t)]))[1:-1] for t in top]
+    labels = [repr(tokenizer.decode([int(t)]))[1:-1] for t in top]
     panels = [
         ("temperature 1.0 (raw)", base),
         ("temperature 0.7", filtered(0.7, len(base), 1.0)),

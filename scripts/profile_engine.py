@@ -44,7 +44,9 @@ def main() -> None:
     bench_args = benchmark.parse_args(["--workload", args.workload])
     wl = benchmark.make_workload(bench_args, cfg["n_positions"], cfg["vocab_size"], Path(DEFAULT_MODEL))
     prompts, lens, n = wl.prompts, wl.output_lens, len(wl.prompts)
-    kw = {"max_num_seqs": args.batch_size} if "max_num_seqs" in inspect.signature(LLM).parameters else {}
+    ps = inspect.signature(LLM).parameters  # 03-05: no max_num_seqs; 06-15: a parameter; 16+: an EngineArgs kwarg
+    takes = "max_num_seqs" in ps or any(p.kind is p.VAR_KEYWORD for p in ps.values())
+    kw = {"max_num_seqs": args.batch_size} if takes else {}
     llm = LLM(device="cpu", **kw)
     params = [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in lens]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up

@@ -2,8 +2,8 @@
 # Regenerate every measured number and figure of every chapter, each with its own stage's code:
 # each stage tag is checked out into a temporary worktree, its measurement commands run there,
 # their output goes to results/reproduce/NN.txt, and the figures it draws are copied into this
-# checkout's chapters/ (figures are never edited by hand). The notebooks are this checkout's
-# (corrected since their stage, perhaps), run on the stage's code. Then scripts/bench_stages.py
+# checkout's chapters/ (figures are never edited by hand). The notebooks are the stage's own too:
+# this checkout's are written for its API, which older stages do not have. Then scripts/bench_stages.py
 # draws the README's stage-progression plot. About 30 minutes on 2 CPU cores.
 #   ./scripts/reproduce.sh          # everything
 #   ./scripts/reproduce.sh 04 07    # some stages
@@ -29,6 +29,7 @@ declare -A CMDS=(
   [11]="$nb notebooks/beam_search.ipynb; python scripts/beam_search_example.py --max-tokens 6"
   [12]="python scripts/swap_example.py --figure $out/queues.png; for t in 2 1; do python scripts/measure_swap.py --part cost --repeats 5 --threads \$t; done; python scripts/measure_swap.py --part cost --model gpt2 --lengths 16 64 128 256 512 1023 --repeats 3 --figure $out/swap_vs_recompute.png; python scripts/measure_swap.py --part paper --model gpt2 --lengths 16 256 1023; python scripts/measure_swap.py --part watermark"
   [13]="python scripts/serving_curve.py --figure $out/serving_curve.png --json $out/serving_curve.json"
+  [16]="python scripts/engine_core_example.py; git -C $root worktree add --quiet --detach $out/stage-15 stage-15-tensor-parallelism; for t in 1 2; do python scripts/bench_engine_step.py --against $out/stage-15 --runs 5 --threads \$t --out $out/engine_step_vs15_t\$t.json; done; python scripts/bench_engine_step.py --runs 1 --profile --out $out/engine_step_profile_s16.json; PYTHONPATH=$out/stage-15 python scripts/bench_engine_step.py --runs 1 --profile --out $out/engine_step_profile_s15.json; git -C $root worktree remove --force $out/stage-15"
 )
 for tag in $(git tag --list 'stage-*' | sort); do
   nn="${tag#stage-}"; nn="${nn%%-*}"
@@ -36,9 +37,6 @@ for tag in $(git tag --list 'stage-*' | sort); do
   [ -n "${CMDS[$nn]:-}" ] || continue
   wt="$(mktemp -d "/tmp/roseinfer-reproduce-$nn.XXXX")"
   git worktree add --quiet --detach "$wt" "$tag"
-  for f in "$wt"/notebooks/*.ipynb; do
-    if [ -e "notebooks/$(basename "$f")" ]; then cp "notebooks/$(basename "$f")" "$f"; fi
-  done
   echo "=== $tag -> results/reproduce/$nn.txt"
   (cd "$wt" && export PATH="$VENV/bin:$PATH" PYTHONPATH="$wt" ROSEINFER_SAVE_FIGURES=1 && bash -c "${CMDS[$nn]}") >"$out/$nn.txt" 2>&1 \
     || { echo "    FAILED (see $out/$nn.txt)"; git worktree remove --force "$wt"; exit 1; }

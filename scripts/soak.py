@@ -5,7 +5,7 @@
 
 Requests arrive in waves while others run; half are greedy, half sampled; some have stop
 strings, some are aborted mid-flight. At the end it reports throughput, peak memory and
-checks that nothing leaked: no KV block held, no request left, no session kept.
+checks that nothing leaked: no KV block held, no request or sequence left, no block table kept.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ def main() -> int:
     args = ap.parse_args()
     rng = random.Random(args.seed)
     eng = LLMEngine(device="cpu", max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks)
-    vocab = eng.engine.config.vocab_size - 1
+    vocab = eng.config.model_config.vocab_size - 1
     finished, aborted, out_tokens, next_id, steps = 0, 0, 0, 0, 0
     reasons: dict[str, int] = {}
     t0 = time.perf_counter()
     while next_id < args.num_requests or eng.has_unfinished_requests():
-        if next_id < args.num_requests and len(eng.sessions) < args.max_num_seqs:  # a new wave
+        if next_id < args.num_requests and len(eng.output_processor.requests) < args.max_num_seqs:  # a new wave
             for _ in range(min(args.wave, args.num_requests - next_id)):
                 prompt = [rng.randrange(vocab) for _ in range(rng.randint(4, 64))]
                 greedy = rng.random() < 0.5
@@ -45,7 +45,7 @@ def main() -> int:
                 )  # fmt: skip
                 eng.add_request(str(next_id), prompt, params)
                 next_id += 1
-        for rid in [r for r in eng.sessions if rng.random() < 0.0005]:  # now and then, a client goes away
+        for rid in [r for r in eng.unfinished_request_ids if rng.random() < 0.0005]:  # now and then, a client goes away
             eng.abort_request(rid)
             aborted += 1
         for out in eng.step():
@@ -56,13 +56,13 @@ def main() -> int:
         steps += 1
     dt = time.perf_counter() - t0
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    bm = eng.block_manager.stats()
-    leaks = {"blocks in use": bm.used_blocks, "unfinished requests": len(eng.sessions),
-             "block tables": len(eng.block_manager.block_tables)}  # fmt: skip
+    kv = eng.kv_cache_manager
+    leaks = {"blocks in use": kv.stats().used_blocks, "unfinished requests": len(eng.output_processor.requests),
+             "scheduled sequences": len(eng.scheduler.requests), "block tables": len(kv.block_tables)}  # fmt: skip
     print(f"{args.num_requests} requests ({finished} finished {reasons}, {aborted} aborted) in {steps} steps")
     print(f"{out_tokens} output tokens in {dt:.1f}s: {out_tokens / dt:.0f} output tok/s, "
           f"{eng.scheduler.num_preemptions} preemptions")  # fmt: skip
-    print(f"peak RSS {peak_mib:.0f} MiB (KV pool {eng.block_manager.kv_cache.nbytes / 2**20:.0f} MiB)")
+    print(f"peak RSS {peak_mib:.0f} MiB (KV pool {eng.model_runner.kv_cache.nbytes / 2**20:.0f} MiB)")
     print("leaks: " + ", ".join(f"{k} {v}" for k, v in leaks.items()))
     ok = finished + aborted == args.num_requests and not any(leaks.values())
     print("OK" if ok else "FAILED")

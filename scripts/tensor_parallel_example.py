@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from roseinfer import LLM, SamplingParams  # noqa: E402
-from roseinfer.parallel_layers import CommStats  # noqa: E402
+from roseinfer.model_executor.parallel_layers import CommStats  # noqa: E402
 
 PROMPTS = ["Romeo.\n", "KING.", "To be, or not to be", "O, what a rogue and peasant slave am I!"]
 
@@ -51,17 +51,17 @@ def main() -> None:
 
     one = LLM(args.model, **kw)
     ids1 = [o.token_ids for o in one.generate(PROMPTS, params, use_tqdm=False)]
-    kv1 = one.block_manager.kv_cache.nbytes
+    kv1 = one.llm_engine.model_runner.kv_cache.nbytes
 
     t0 = time.perf_counter()
     llm = LLM(args.model, tensor_parallel_size=2, **kw)
-    runner = llm.engine.tp_runner
+    runner = llm.llm_engine.model_runner  # a TensorParallelRunner: rank 0, and the workers' pids
     print(f"LLM(tensor_parallel_size=2): rank 0 is this process (pid {os.getpid()}), rank 1 is pid {runner.pids[0]}; "
           f"started in {time.perf_counter() - t0:.1f} s")  # fmt: skip
 
     print("\n1. block 0 on rank 0 (nn.Linear weights are [out, in]):")
-    full = one.engine.model.transformer.h[0].state_dict()
-    for name, w in llm.engine.model.transformer.h[0].state_dict().items():
+    full = one.llm_engine.model_runner.model.transformer.h[0].state_dict()
+    for name, w in runner.model.transformer.h[0].state_dict().items():
         if name.endswith("weight") and "ln" not in name:
             print(f"   {name:<20} {str(tuple(w.shape)):<12} of {tuple(full[name].shape)}")
 
@@ -78,7 +78,7 @@ def main() -> None:
     CommStats.enabled = True
     llm.generate(["Romeo.\n"] * 4, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     CommStats.enabled = False
-    cfg = llm.engine.config
+    cfg = llm.llm_engine.config.model_config.hf_config
     print(
         f"\n4. one step of 4 prompts of 3 tokens (12 rows): {CommStats.calls} all-reduces (2 · n_layer = "
         f"{2 * cfg.n_layer}), {CommStats.bytes:,} bytes in all = 2 · {cfg.n_layer} · 12 · {cfg.n_embd} · 4"
@@ -89,14 +89,14 @@ def main() -> None:
     print(f"\n5. llm.close(): worker {runner.pids[0]} running: {bool(running(runner.pids))}")
 
     llm = LLM(args.model, tensor_parallel_size=2, **kw)
-    pid = llm.engine.tp_runner.pids[0]
+    pid = llm.llm_engine.model_runner.pids[0]
     threading.Timer(0.3, os.kill, (pid, signal.SIGKILL)).start()
     print(f"\n6. kill -9 {pid} (rank 1) while 4 requests of 400 tokens run:")
     try:
         llm.generate(PROMPTS, SamplingParams(max_tokens=400, ignore_eos=True), use_tqdm=False)
     except RuntimeError as e:
         print(f"   RuntimeError: {e}")
-    print(f"   worker running: {bool(running([pid]))}; requests left: {len(llm.llm_engine.sessions)}")
+    print(f"   worker running: {bool(running([pid]))}; requests left: {len(llm.llm_engine.output_processor.requests)}")
 
 
 if __name__ == "__main__":  # needed: each rank is started with spawn, which imports this file again

@@ -50,10 +50,51 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="session")
-def engine():
-    from roseinfer import InferenceEngine
+def llm():
+    """The bundled model behind the offline API, fp32 on the CPU (shared: tests must leave it idle)."""
+    from roseinfer import LLM
 
-    return InferenceEngine(DEFAULT_MODEL, device="cpu", dtype=torch.float32)
+    return LLM(DEFAULT_MODEL, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(llm):
+    return llm.tokenizer
+
+
+def greedy_ids(llm, prompt, max_tokens: int, **params) -> list[int]:
+    """One request alone through `llm`: its token ids, greedy (an EOS, if produced, is the last one)."""
+    from roseinfer import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, **params)
+    return llm.generate([prompt], sp, use_tqdm=False)[0].token_ids
+
+
+@pytest.fixture
+def make_engine():
+    """LLMEngine factory (bundled model, fp32 CPU); every engine must end its test with all KV blocks free."""
+    from roseinfer import LLMEngine
+
+    made = []
+
+    def make(**kw):
+        eng = LLMEngine(device="cpu", dtype="float32", **kw)
+        made.append(eng)
+        return eng
+
+    yield make
+    for eng in made:
+        assert eng.kv_cache_manager.stats().used_blocks == 0, "KV blocks leaked"
+
+
+def run_all(eng) -> dict[str, list[int]]:
+    """Step an LLMEngine until every request finished: each request's token ids."""
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    return done
 
 
 @pytest.fixture(scope="session")

@@ -1,36 +1,51 @@
-"""Stage 03: the offline scheduler and the LLM API."""
+"""Stage 03: offline batching behind the LLM API (LLM.generate on LLMEngine)."""
 
 from __future__ import annotations
 
 import pytest
-from conftest import PROMPTS, hf_greedy, run_python
+from conftest import PROMPTS, greedy_ids, hf_greedy, run_python
 
 from roseinfer import LLM, RequestOutput, SamplingParams
-from roseinfer.scheduler import OfflineScheduler
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(device="cpu", dtype="float32")
+@pytest.fixture
+def engine(llm):
+    """The session LLM's engine, stepped by hand; it must end the test idle, with its trace off."""
+    eng = llm.llm_engine
+    yield eng
+    eng.trace = None
+    for rid in list(eng.output_processor.requests):  # a failed test must not leave requests behind
+        eng.abort_request(rid)
+    assert eng.kv_cache_manager.num_used_blocks == 0, "KV blocks leaked"
+
+
+def run_all(eng) -> dict[str, RequestOutput]:
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
 
 
 def test_llm_constructor_loads_the_bundled_model():
     llm = LLM(device="cpu")
-    assert llm.engine.config.vocab_size == 4096
+    assert llm.llm_engine.config.model_config.vocab_size == 4096
     assert llm.generate("Romeo.", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0].token_ids
 
 
-def test_greedy_batch_equals_solo_equals_hf(llm, engine, hf_model):
+def test_greedy_batch_equals_solo_equals_hf(llm, tokenizer, hf_model):
     greedy = SamplingParams(temperature=0, max_tokens=40)
     outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
     assert [o.prompt for o in outs] == PROMPTS
+    eos = tokenizer.eos_token_id
     for prompt, out in zip(PROMPTS, outs, strict=True):
-        ids = engine.tokenizer.encode(prompt)
+        ids = tokenizer.encode(prompt)
         assert out.prompt_token_ids == ids
-        assert out.token_ids == engine.generate_ids(ids, max_new_tokens=40), prompt
+        assert out.token_ids == greedy_ids(llm, ids, 40), prompt
         assert out.token_ids == hf_greedy(hf_model, ids, 40), prompt
-        assert out.text == engine.tokenizer.decode([t for t in out.token_ids if t != engine.eos_token_id])
-        assert out.finish_reason == ("stop" if out.token_ids[-1] == engine.eos_token_id else "length")
+        assert out.text == tokenizer.decode([t for t in out.token_ids if t != eos])
+        assert out.finish_reason == ("stop" if out.token_ids[-1] == eos else "length")
 
 
 def test_per_request_params_are_honoured(llm, engine):
@@ -48,7 +63,7 @@ def test_per_request_params_are_honoured(llm, engine):
     for prompt, p, out in zip(prompts, params, outs, strict=True):  # each equals its solo run
         solo = llm.generate(prompt, p, use_tqdm=False)[0]
         assert (solo.token_ids, solo.text) == (out.token_ids, out.text)
-        assert "".join(engine.stream(prompt, p)) == out.text
+        assert "".join(o.delta for o in engine.stream([prompt], p)) == out.text  # streamed alone
 
 
 def test_outputs_keep_prompt_order_and_ids(llm):
@@ -69,22 +84,28 @@ def test_token_id_prompts(llm):
     assert llm.generate(ids, p, use_tqdm=False)[0].token_ids == by_text.token_ids  # a single id list
 
 
+@pytest.fixture(scope="module")
+def solo12(llm):
+    return {p: greedy_ids(llm, p, 12) for p in ("Romeo.\n", "Hamlet.\n")}
+
+
 @pytest.mark.parametrize(
     ("bad", "match"),
     [("", "empty"), ([], "empty"), ([1, 99999], "outside the vocabulary"), ("the " * 600, "context"), (3.5, "prompt")],
 )
-def test_invalid_request_raises_at_submission_and_others_are_unharmed(engine, bad, match):
+def test_invalid_request_raises_at_submission_and_others_are_unharmed(solo12, engine, bad, match):
     greedy = SamplingParams(temperature=0, max_tokens=12)
-    sched = OfflineScheduler(engine)
-    a = sched.add_request("Romeo.\n", greedy)
+    engine.add_request("a", "Romeo.\n", greedy)
     with pytest.raises((ValueError, TypeError), match=match):
-        sched.add_request(bad, greedy)
-    b = sched.add_request("Hamlet.\n", greedy)
-    sched.step()  # both mid-flight
-    out = sched.run()
-    assert set(out) == {a, b}
-    assert out[a].token_ids == engine.generate_ids(engine.tokenizer.encode("Romeo.\n"), 12)
-    assert out[b].token_ids == engine.generate_ids(engine.tokenizer.encode("Hamlet.\n"), 12)
+        engine.add_request("bad", bad, greedy)
+    assert "bad" not in engine.scheduler.requests and "bad" not in engine.output_processor.requests
+    engine.add_request("b", "Hamlet.\n", greedy)
+    engine.step()  # both mid-flight
+    assert {r.request_id for r in engine.scheduler.running} == {"a", "b"}
+    out = run_all(engine)
+    assert set(out) == {"a", "b"}
+    assert out["a"].token_ids == solo12["Romeo.\n"]
+    assert out["b"].token_ids == solo12["Hamlet.\n"]
 
 
 def test_llm_generate_names_the_bad_prompt(llm):
@@ -95,14 +116,17 @@ def test_llm_generate_names_the_bad_prompt(llm):
 
 
 def test_scheduler_steps_round_robin(engine):
-    sched = OfflineScheduler(engine)
-    ids = [sched.add_request(p, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)) for p, m in
-           [("Romeo.", 2), ("Juliet.", 4), ("Nurse.", 3)]]  # fmt: skip
-    assert sched.step() == ids  # every request once per step, in arrival order
-    assert sched.step() == ids
-    assert sched.step() == ids[1:]  # request 0 is done after 2 tokens
-    assert sched.step() == [ids[1]]
-    assert not sched.has_unfinished()
+    engine.trace = []
+    ids = ["r0", "r1", "r2"]
+    for rid, (p, m) in zip(ids, [("Romeo.", 2), ("Juliet.", 4), ("Nurse.", 3)], strict=True):
+        engine.add_request(rid, p, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
+    ran = []
+    while engine.has_unfinished_requests():
+        got = [o.request_id for o in engine.step()]
+        ran.append(engine.trace[-1]["ran"])
+        assert sorted(got) == sorted(ran[-1])  # every request that ran got a token
+    # every request once per step, in arrival order; request 0 is done after 2 tokens, request 2 after 3
+    assert ran == [ids, ids, ids[1:], [ids[1]]]
 
 
 def test_offline_example_prints_every_request():

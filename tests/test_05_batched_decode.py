@@ -1,4 +1,4 @@
-"""Stage 05: batched decode (padding, masks, per-row positions), vectorised sampling, the benchmark harness."""
+"""Stage 05: batched decode (many requests per forward), vectorised sampling, the benchmark harness."""
 
 from __future__ import annotations
 
@@ -8,43 +8,50 @@ import sys
 
 import pytest
 import torch
-from conftest import PROMPTS, REPO, hf_greedy
+from conftest import PROMPTS, REPO, greedy_ids, hf_greedy
+from test_02_kv_cache import sampling_tensors
 
 from roseinfer import SamplingParams
-from roseinfer.sampling import sample
-from roseinfer.scheduler import OfflineScheduler
+from roseinfer.sample.sampler import sample
 
 LONG = "Enter the King and Queen, with Lords and Attendants.\n\nKing.\n" + "O, speak again, bright angel! " * 30
 VARIED = PROMPTS + [LONG]  # 1 to ~220 tokens
 
 
-def test_batched_greedy_equals_sequential_equals_hf(engine, hf_model):
-    sched = OfflineScheduler(engine, trace=True)
-    for prompt in VARIED:
-        sched.add_request(prompt, SamplingParams(temperature=0, max_tokens=32))
-    out = sched.run()
-    assert max(len(t["ran"]) for t in sched.trace) == len(VARIED)  # they really decoded together
-    for rid, prompt in zip(out, VARIED, strict=True):
-        ids = engine.tokenizer.encode(prompt)
-        solo = engine.generate_ids(ids, max_new_tokens=32)
-        assert out[rid].token_ids == solo, prompt[:30]
-        assert out[rid].token_ids == hf_greedy(hf_model, ids, 32), prompt[:30]
+def test_batched_greedy_equals_sequential_equals_hf(llm, tokenizer, hf_model):
+    eng = llm.llm_engine
+    eng.trace = []
+    try:
+        for i, prompt in enumerate(VARIED):
+            eng.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=32))
+        out = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    out[o.request_id] = o.token_ids
+        trace = eng.trace
+    finally:
+        eng.trace = None
+    # they really decoded together: a step in which every request fed exactly one token
+    assert any(len(t["ran"]) == len(VARIED) and set(t["num_scheduled_tokens"].values()) == {1} for t in trace)
+    for i, prompt in enumerate(VARIED):
+        ids = tokenizer.encode(prompt)
+        assert out[str(i)] == greedy_ids(llm, prompt, 32), prompt[:30]
+        assert out[str(i)] == hf_greedy(hf_model, ids, 32), prompt[:30]
 
 
-def test_seeded_sampling_is_the_same_alone_or_in_a_batch(engine):
+def test_seeded_sampling_is_the_same_alone_or_in_a_batch(llm):
     params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.95, max_tokens=24, seed=s) for s in range(4)]
     prompts = ["Romeo.\n", LONG, "Nurse.\n", "KING."]
-    sched = OfflineScheduler(engine)
-    for prompt, p in zip(prompts, params, strict=True):
-        sched.add_request(prompt, p)
-    together = sched.run()
-    for rid, prompt, p in zip(together, prompts, params, strict=True):
-        alone = list(engine.token_stream(engine.tokenizer.encode(prompt), p))
-        assert together[rid].token_ids == alone
+    together = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, p, out in zip(prompts, params, together, strict=True):
+        alone = llm.generate(prompt, p, use_tqdm=False)[0]
+        assert out.token_ids == alone.token_ids and len(out.token_ids) > 0
 
 
-def _reference_row(logits: torch.Tensor, p: SamplingParams, u: float) -> int:
-    """One row, written the slow obvious way: filter, renormalise, walk the CDF."""
+def _reference_row(logits: torch.Tensor, p: SamplingParams, q: torch.Tensor) -> int:
+    """One row, written the slow obvious way: filter the distribution, then the exponential race
+    argmax_i p_i / q_i over the kept tokens (q_i ~ Exp(1): token i wins with probability p_i / sum p)."""
     if p.temperature == 0:
         return int(logits.argmax())
     probs = torch.softmax(logits.double() / p.temperature, dim=-1)
@@ -55,13 +62,7 @@ def _reference_row(logits: torch.Tensor, p: SamplingParams, u: float) -> int:
             break
         kept.append(i)
         mass += probs[i].item()
-    total = sum(probs[i].item() for i in kept)
-    acc = 0.0
-    for i in kept:
-        acc += probs[i].item() / total
-        if acc >= u:
-            return i
-    return kept[-1]
+    return max(kept, key=lambda i: probs[i].item() / q[i].item())
 
 
 def test_sampler_matches_a_per_row_reference():
@@ -71,10 +72,10 @@ def test_sampler_matches_a_per_row_reference():
     choices = [(0.0, -1, 1.0), (1.0, -1, 1.0), (0.7, 5, 1.0), (1.3, -1, 0.6), (1.0, 10, 0.8), (2.0, 1, 1.0)]
     params = [SamplingParams(temperature=t, top_k=k, top_p=q, seed=100 + i) for i, (t, k, q) in
               enumerate(choices * (B // len(choices)))]  # fmt: skip
-    got = sample(logits, params, [p.make_generator() for p in params])
+    got = sample(logits, sampling_tensors(params, V))
     for i, p in enumerate(params):
-        u = torch.rand(1, generator=p.make_generator()).item()  # the number the sampler drew for this row
-        assert got[i].item() == _reference_row(logits[i], p, u), (i, p)
+        q = torch.empty(V).exponential_(generator=p.make_generator())  # the numbers the sampler drew for this row
+        assert got[i].item() == _reference_row(logits[i], p, q), (i, p)
 
 
 @pytest.fixture(scope="module")

@@ -3,42 +3,24 @@
 from __future__ import annotations
 
 import pytest
-from conftest import run_python
+from conftest import run_all, run_python
 
-from roseinfer import LLMEngine, SamplingParams
+from roseinfer import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
 
 @pytest.fixture
-def make_engine():
-    """LLMEngine factory; every engine must end its test with all KV blocks free."""
-    made = []
+def solo(llm):
+    """A request's tokens when it runs alone (on the session LLM)."""
 
-    def make(**kw):
-        eng = LLMEngine(device="cpu", dtype="float32", **kw)
-        made.append(eng)
-        return eng
+    def run(prompt, params=GREEDY) -> list[int]:
+        return llm.generate([prompt], params, use_tqdm=False)[0].token_ids
 
-    yield make
-    for eng in made:
-        assert eng.block_manager.stats().used_blocks == 0, "KV blocks leaked"
+    return run
 
 
-def solo(eng: LLMEngine, prompt, params=GREEDY) -> list[int]:
-    return list(eng.engine.token_stream(eng.engine.encode_prompt(prompt), params))
-
-
-def run_all(eng: LLMEngine) -> dict[str, list[int]]:
-    done = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-    return done
-
-
-def test_request_added_mid_decode_gets_its_solo_output(make_engine):
+def test_request_added_mid_decode_gets_its_solo_output(make_engine, solo):
     eng = make_engine(max_num_seqs=8)
     eng.add_request("a", "Romeo.\n", GREEDY)
     eng.add_request("b", "Enter Hamlet, reading.\n" * 4, GREEDY)
@@ -50,7 +32,7 @@ def test_request_added_mid_decode_gets_its_solo_output(make_engine):
     assert {o.request_id for o in outs} == {"a", "b", "c"}  # one step: c's prefill + a, b decodes
     done = run_all(eng)
     for rid, prompt in [("a", "Romeo.\n"), ("b", "Enter Hamlet, reading.\n" * 4), ("c", "Nurse.\n")]:
-        assert done[rid] == solo(eng, prompt), rid
+        assert done[rid] == solo(prompt), rid
 
 
 def test_max_num_seqs_is_never_exceeded(make_engine):
@@ -84,15 +66,15 @@ def test_finished_request_frees_its_place_at_the_next_step(make_engine):
     assert step_of["next"] == end_short + 1  # takes the freed place immediately
 
 
-def test_prompt_that_can_never_fit_fails_alone(make_engine):
+def test_prompt_that_can_never_fit_fails_alone(make_engine, solo):
     eng = make_engine(block_size=4, num_blocks=10)
     eng.add_request("ok", "Romeo.\n", GREEDY)
     with pytest.raises(ValueError, match="KV blocks"):
         eng.add_request("huge", list(range(1, 50)), GREEDY)  # 13 blocks > 10 in the pool
-    assert run_all(eng)["ok"] == solo(eng, "Romeo.\n")
+    assert run_all(eng)["ok"] == solo("Romeo.\n")
 
 
-def test_later_waits_and_fcfs_keeps_order(make_engine):
+def test_later_waits_and_fcfs_keeps_order(make_engine, solo):
     eng = make_engine(block_size=4, num_blocks=6, max_num_seqs=8)
     p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     eng.add_request("big", list(range(1, 17)), p)  # 4 blocks, grows into a 5th
@@ -102,21 +84,25 @@ def test_later_waits_and_fcfs_keeps_order(make_engine):
     assert [s.request_id for s in eng.scheduler.running] == ["big"]
     assert [s.request_id for s in eng.scheduler.waiting] == ["big2", "small"]
     done = run_all(eng)
-    assert done["big2"] == solo(eng, list(range(20, 32)), p)
+    assert done["big2"] == solo(list(range(20, 32)), p)
 
 
-def test_abort_running_and_waiting_requests(make_engine):
+def test_abort_running_and_waiting_requests(make_engine, solo):
     eng = make_engine(max_num_seqs=2)
     for rid, prompt in [("a", "Romeo.\n"), ("b", "Juliet.\n"), ("c", "Nurse.\n")]:
         eng.add_request(rid, prompt, GREEDY)
     eng.step()
     eng.step()
-    used_before = eng.block_manager.stats().used_blocks
+    assert [r.request_id for r in eng.scheduler.running] == ["a", "b"]
+    assert [r.request_id for r in eng.scheduler.waiting] == ["c"]
+    kv = eng.kv_cache_manager
+    used_before = kv.stats().used_blocks
     eng.abort_request("b")  # running
     eng.abort_request("c")  # waiting
-    assert eng.block_manager.stats().used_blocks < used_before
-    assert "b" not in eng.block_manager.block_tables and "c" not in eng.block_manager.block_tables
-    assert run_all(eng) == {"a": solo(eng, "Romeo.\n")}
+    assert kv.stats().used_blocks < used_before
+    assert "b" not in kv.block_tables and "c" not in kv.block_tables
+    assert eng.unfinished_request_ids == ["a"] and list(eng.scheduler.requests) == ["a"]
+    assert run_all(eng) == {"a": solo("Romeo.\n")}
     with pytest.raises(KeyError, match="unknown request id 'b'"):
         eng.abort_request("b")
 
@@ -141,7 +127,7 @@ def test_duplicate_request_id_is_refused(make_engine):
     run_all(eng)
 
 
-def test_step_deltas_add_up_to_the_text(make_engine):
+def test_step_deltas_add_up_to_the_text(make_engine, llm):
     eng = make_engine()
     params = SamplingParams(temperature=0, max_tokens=40)
     text, final = {"0": "", "1": ""}, {}
@@ -150,16 +136,18 @@ def test_step_deltas_add_up_to_the_text(make_engine):
         if out.finished:
             final[out.request_id] = out.text
     assert text == final
-    assert final["0"] == eng.engine.generate("Romeo.\n", max_new_tokens=40)
+    assert final["0"] == llm.generate("Romeo.\n", params, use_tqdm=False)[0].text
 
 
 def test_llm_generate_runs_on_the_engine_with_max_num_seqs():
     from roseinfer import LLM
 
     llm = LLM(device="cpu", max_num_seqs=2)
+    llm.llm_engine.trace = []
     outs = llm.generate(["Romeo.", "Juliet.", "Nurse.", "Friar."], SamplingParams(temperature=0, max_tokens=8))
     assert [o.prompt for o in outs] == ["Romeo.", "Juliet.", "Nurse.", "Friar."]
-    assert all(o.finished for o in outs) and llm.block_manager.stats().used_blocks == 0
+    assert all(o.finished for o in outs) and llm.llm_engine.kv_cache_manager.stats().used_blocks == 0
+    assert max(len(t["running"]) for t in llm.llm_engine.trace) == 2
 
 
 def test_online_example_shows_a_join_mid_flight():

@@ -8,11 +8,9 @@ from conftest import PROMPTS, hf_greedy
 
 from roseinfer import LLMEngine, SamplingParams
 from roseinfer.attention import paged_attention, write_kv
-from roseinfer.block_manager import BlockSpaceManager
-from roseinfer.kv_cache import KVCache
-from roseinfer.model_runner import ModelRunner
-from roseinfer.scheduler_output import SchedulerOutput
-from roseinfer.session import InferenceSession
+from roseinfer.core.request import Request
+from roseinfer.core.sched.output import SchedulerOutput
+from roseinfer.core.sched.runner_view import RunnerView
 
 
 def _dense(q, ks, vs, scale):
@@ -49,87 +47,114 @@ def test_reference_paged_attention_equals_dense(block_size, dtype):
         assert torch.allclose(out[b].float(), ref, atol=tol), b
 
 
-def _session(rid, prompt_len, generated):
-    params = SamplingParams(max_tokens=100)
-    s = InferenceSession(rid, None, list(range(1, prompt_len + 1)), params, params.make_generator(), None, 0, 512)
-    s.output_ids = list(range(generated))
-    return s
+class _HandDriver:
+    """Drives an engine's model runner without its scheduler: each step books the slots of the requests it is
+    given in the engine's KV cache manager (in that order), tells the runner through a `RunnerView` what it
+    lacks, and records the attention metadata of the step's forward."""
+
+    def __init__(self, eng: LLMEngine, monkeypatch):
+        self.kv, self.runner = eng.kv_cache_manager, eng.model_runner
+        self.view = RunnerView(self.kv)
+        self.reqs: dict[str, Request] = {}
+        self.metas = []
+        model, forward = self.runner.model, self.runner.model.forward_paged
+        monkeypatch.setattr(model, "forward_paged", lambda *a: self.metas.append(a[3]) or forward(*a))
+
+    def add(self, rid: str, prompt_len: int) -> None:
+        params = SamplingParams(temperature=0, max_tokens=100)
+        self.reqs[rid] = Request(rid, list(range(1, prompt_len + 1)), params, None, 512)
+
+    def step(self, *rids: str):
+        """One step that computes everything each of `rids` lacks: all of a new prompt, one token of a decode."""
+        so = SchedulerOutput()
+        for rid in rids:
+            req = self.reqs[rid]
+            n = req.num_tokens - req.num_computed_tokens
+            assert self.kv.allocate_slots(rid, n)
+            self.view.book(req, n, so)
+            req.num_computed_tokens += n
+        out = self.runner.execute_model(so)
+        assert sorted(out.req_ids) == sorted(rids)  # every request reached its end: one token each
+        for rid, tokens in zip(out.req_ids, out.sampled_token_ids, strict=True):
+            self.reqs[rid].append_token(tokens[0])
+        return self.metas[-1]
 
 
-def test_slot_mapping_and_block_tables_on_hand_made_cases(engine):
-    """(Stage 09: the metadata is built by the model runner from a SchedulerOutput, for the whole step.)"""
-    bm = BlockSpaceManager(block_size=4, num_blocks=16)
-    bm.free_block_ids.clear()
-    bm.free_block_ids.extend([9, 2, 14, 5, 7, 0, 3])  # hand out blocks in a known, scrambled order
-    runner = ModelRunner(engine.model, KVCache(engine.config, 16, 4, torch.float32, "cpu"), None, "cpu")
-    a, b = _session("a", 6, 0), _session("b", 3, 0)
-
-    def meta_for(*sessions):
-        n = {s.request_id: s.num_tokens - s.num_computed_tokens for s in sessions}
-        for s in sessions:
-            assert bm.allocate_slots(s.request_id, n[s.request_id])
-        meta = runner.prepare_inputs(SchedulerOutput(list(sessions), n, bm.block_tables)).attn_metadata
-        for s in sessions:
-            s.num_computed_tokens = s.num_tokens
-        return meta
-
-    meta = meta_for(a, b)  # both prompts in one step: a gets blocks 9, 2 and b block 14
+def test_slot_mapping_and_block_tables_on_hand_made_cases(monkeypatch):
+    """(Stage 09: the metadata is built by the model runner for the whole step, from its persistent batch
+    (roseinfer/worker/input_batch.py) and what the SchedulerOutput says changed.)"""
+    eng = LLMEngine(device="cpu", dtype="float32", block_size=4, num_blocks=16)
+    eng.kv_cache_manager.free_block_ids.clear()
+    eng.kv_cache_manager.free_block_ids.extend([9, 2, 14, 5, 7, 0, 3])  # hand out blocks in a known, scrambled order
+    d = _HandDriver(eng, monkeypatch)
+    d.add("a", 6)
+    d.add("b", 3)
+    meta = d.step("a", "b")  # both prompts in one step: a gets blocks 9, 2 and b block 14
     assert meta.slot_mapping.tolist() == [36, 37, 38, 39, 8, 9, 56, 57, 58]
     assert meta.query_start_loc.tolist() == [0, 6, 9] and meta.seq_lens.tolist() == [6, 3]
     # one decode step each: a feeds its 7th token (position 6), b its 4th (position 3)
-    a.output_ids, b.output_ids = [11], [12]
-    meta = meta_for(a, b)
+    meta = d.step("a", "b")
     assert meta.slot_mapping.tolist() == [2 * 4 + 2, 14 * 4 + 3]
     assert meta.block_tables.tolist() == [[9, 2], [14, 0]]  # padded with 0, never read past seq_lens
     assert meta.seq_lens.tolist() == [7, 4] and meta.num_decodes == 2
     # b's next token needs a new block: it gets 5
-    b.output_ids.append(13)
-    a.output_ids.append(14)
-    meta = meta_for(b, a)  # decode rows are ordered longest context first: a, then b
+    meta = d.step("b", "a")  # decode rows are ordered longest context first: a, then b
     assert meta.block_tables.tolist() == [[9, 2], [14, 5]]
     assert meta.slot_mapping.tolist() == [2 * 4 + 3, 5 * 4 + 0]
     assert meta.seq_lens.tolist() == [8, 5]
     assert meta.block_tables.dtype == meta.seq_lens.dtype == torch.int32
     # a new request c (5 tokens) arrives while a decodes: c gets blocks 7, 0 and a's 9th token block 3;
     # in the batch the decode rows come first, then c's prompt
-    c = _session("c", 5, 0)
-    a.output_ids.append(15)
-    meta = meta_for(c, a)
+    d.add("c", 5)
+    meta = d.step("c", "a")
     assert meta.query_start_loc.tolist() == [0, 1, 6] and meta.num_decodes == 1
     assert meta.slot_mapping.tolist() == [3 * 4 + 0, 28, 29, 30, 31, 0 * 4 + 0]
     assert meta.block_tables.tolist() == [[9, 2, 3], [7, 0, 0]]
 
 
-def test_engine_greedy_equals_hf_and_the_uncached_path(engine, hf_model):
+def _is_dense_greedy(model, prompt: list[int], out: list[int], max_tokens: int, eos: int) -> bool:
+    """Whether `out` is what greedy decoding with no KV cache gives: one dense forward over prompt + out (causal,
+    so each position's logits see only the tokens before it) must pick every token of `out` as its argmax, and
+    `out` must stop where that loop stops (at EOS or after max_tokens)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out]))[0]  # [T, V]
+    picks = logits[len(prompt) - 1 : len(prompt) + len(out) - 1].argmax(-1).tolist()
+    stops = [i for i, t in enumerate(out) if t == eos]
+    return picks == out and (stops == [len(out) - 1] or (not stops and len(out) == max_tokens))
+
+
+def test_engine_greedy_equals_hf_and_the_uncached_path(tokenizer, hf_model):
     eng = LLMEngine(device="cpu", dtype="float32", block_size=8)
-    naive = LLMEngine(device="cpu", dtype="float32")
-    naive.model_runner.use_kv_cache = False
     greedy = SamplingParams(temperature=0, max_tokens=40)
     outs = {o.request_id: o.token_ids for o in eng.stream(PROMPTS, greedy) if o.finished}
-    plain = {o.request_id: o.token_ids for o in naive.stream(PROMPTS, greedy) if o.finished}
+    model, eos = eng.model_runner.model, eng.config.model_config.eos_token_id
     for i, prompt in enumerate(PROMPTS):
-        ids = engine.tokenizer.encode(prompt)
+        ids = tokenizer.encode(prompt)
         assert outs[str(i)] == hf_greedy(hf_model, ids, 40), prompt
-        assert outs[str(i)] == plain[str(i)], prompt
-    assert eng.block_manager.stats().used_blocks == 0
+        assert _is_dense_greedy(model, ids, outs[str(i)], 40, eos), prompt
+    assert eng.kv_cache_manager.stats().used_blocks == 0
 
 
 def test_kv_lives_in_the_preallocated_pool():
     eng = LLMEngine(device="cpu", block_size=16, num_blocks=10)
-    pool = eng.block_manager.kv_cache
-    assert len(pool.layers) == eng.engine.config.n_layer
-    assert pool.layers[0][0].shape == (10, 16, eng.engine.config.n_head, eng.engine.config.head_dim)
-    before = pool.layers[0][0].clone()
+    pool, hf = eng.model_runner.kv_cache, eng.config.model_config.hf_config
+    assert len(pool.layers) == hf.n_layer
+    assert pool.layers[0][0].shape == (10, 16, hf.n_head, hf.head_dim)
+    k0, before = pool.layers[0][0], pool.layers[0][0].clone()
     eng.add_request("a", "Romeo.\n", SamplingParams(temperature=0, max_tokens=4))
     eng.step()  # prefill writes the prompt's K/V into the request's block
-    block = eng.block_manager.get_block_table("a")[0]
+    block = eng.kv_cache_manager.get_block_table("a")[0]
     assert not torch.equal(pool.layers[0][0][block], before[block])
+    # the request and the block books hold ids and counters, never a tensor: the K/V are only in the pool
+    req = eng.scheduler.requests["a"]
+    assert not any(isinstance(getattr(req, name), torch.Tensor) for name in Request.__slots__)
+    assert not any(isinstance(v, torch.Tensor) for v in vars(eng.kv_cache_manager).values())
     while eng.has_unfinished_requests():
         eng.step()
-    assert "kv_cache" not in InferenceSession.__dataclass_fields__
+    assert eng.model_runner.kv_cache.layers[0][0] is k0  # the same tensor all along: never reallocated
 
 
-def test_small_pool_forces_preemption_and_every_request_still_gets_its_solo_output():
+def test_small_pool_forces_preemption_and_every_request_still_gets_its_solo_output(llm):
     prompts = [list(range(1 + 10 * i, 9 + 10 * i)) for i in range(6)]  # 8 tokens each
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), SamplingParams(temperature=0.9, seed=3,
               top_k=30, max_tokens=30, ignore_eos=True)] * 3  # fmt: skip
@@ -145,8 +170,8 @@ def test_small_pool_forces_preemption_and_every_request_still_gets_its_solo_outp
     assert eng.scheduler.num_preemptions > 0
     assert max(t["stats"].used_blocks for t in eng.trace) <= 14
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        assert done[str(i)] == list(eng.engine.token_stream(p, sp)), i
-    assert eng.block_manager.stats().used_blocks == 0
+        assert done[str(i)] == llm.generate([p], sp, use_tqdm=False)[0].token_ids, i  # alone, in another engine
+    assert eng.kv_cache_manager.stats().used_blocks == 0
 
 
 def test_preempted_request_goes_to_the_front_of_waiting():
@@ -165,4 +190,4 @@ def test_preempted_request_goes_to_the_front_of_waiting():
     assert [s.request_id for s in eng.scheduler.waiting] == ["c", "d"]  # the front of the queue, oldest first
     while eng.has_unfinished_requests():
         eng.step()
-    assert eng.block_manager.stats().used_blocks == 0
+    assert eng.kv_cache_manager.stats().used_blocks == 0

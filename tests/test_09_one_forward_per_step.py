@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import PROMPTS, hf_greedy, run_python
+from conftest import PROMPTS, greedy_ids, hf_greedy, run_python
 
 from roseinfer import LLM, LLMEngine, SamplingParams
 from roseinfer.attention import write_kv
 from roseinfer.attention.reference import attention_reference
 from roseinfer.attention.sdpa import attention_sdpa, paged_decode_sdpa, write_kv_flat
-from roseinfer.model_runner import ModelRunner
+from roseinfer.worker.model_runner import ModelRunner
 
 NEW = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW)
@@ -18,8 +18,8 @@ LONG = "".join(PROMPTS) * 2  # ~190 tokens: many chunks, many blocks
 
 
 @pytest.fixture(scope="module")
-def prompts_ids(engine):
-    return [engine.tokenizer.encode(p) for p in [*PROMPTS, LONG]]
+def prompts_ids(tokenizer):
+    return [tokenizer.encode(p) for p in [*PROMPTS, LONG]]
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +45,13 @@ def test_greedy_equals_hf_for_every_token_budget(budget, prompts_ids, hf_outputs
     for i in range(len(prompts_ids)):
         assert done[str(i)] == hf_outputs[i], i
     assert max(sum(t["num_scheduled_tokens"].values()) for t in eng.trace) <= budget
-    assert eng.block_manager.stats().used_blocks == 0
+    assert eng.kv_cache_manager.stats().used_blocks == 0
     alone = LLMEngine(device="cpu", dtype="float32", block_size=16, max_num_batched_tokens=budget)
     alone.add_request("long", prompts_ids[-1], GREEDY)  # the long prompt alone, in chunks of `budget`
     assert run_all(alone)["long"] == hf_outputs[-1]
 
 
-def test_a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding(engine):
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding(llm, tokenizer):
     eng = LLMEngine(device="cpu", dtype="float32", block_size=8, max_num_batched_tokens=16)
     eng.trace = []
     p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
@@ -59,23 +59,23 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding(engine)
     eng.add_request("b", "Juliet.\n", p)
     for _ in range(3):
         eng.step()  # a and b are decoding
-    long_ids = engine.tokenizer.encode(LONG)[:100]
+    long_ids = tokenizer.encode(LONG)[:100]
     eng.add_request("long", long_ids, p)
     outputs = []
-    while "long" in eng.sessions and not eng.sessions["long"].output_ids:
+    while "long" in eng.scheduler.requests and not eng.scheduler.requests["long"].output_token_ids:
         outputs.append({o.request_id for o in eng.step()})
     chunks = [t["num_scheduled_tokens"] for t in eng.trace[3:]]
     assert all(c["a"] == 1 and c["b"] == 1 for c in chunks)  # running requests never stall
     assert [c["long"] for c in chunks] == [14] * 7 + [2]  # 100 prompt tokens in chunks of what is left
     assert all(outs == {"a", "b"} for outs in outputs[:-1]) and outputs[-1] == {"a", "b", "long"}
     done = run_all(eng)
-    assert done["long"] == list(engine.token_stream(long_ids, p))
-    assert done["a"] == list(engine.token_stream(engine.encode_prompt("Romeo.\n"), p))
+    assert done["long"] == greedy_ids(llm, long_ids, 30, ignore_eos=True)  # each as it runs alone
+    assert done["a"] == greedy_ids(llm, "Romeo.\n", 30, ignore_eos=True)
 
 
 def test_one_forward_per_step_and_logits_only_where_a_token_is_sampled(monkeypatch):
     eng = LLMEngine(device="cpu", dtype="float32", max_num_batched_tokens=20)
-    model = eng.engine.model
+    model = eng.model_runner.model
     calls, rows = [], []
     forward, logits = model.forward_paged, model.compute_logits
     monkeypatch.setattr(model, "forward_paged", lambda *a: calls.append(a[0].shape[0]) or forward(*a))
@@ -91,13 +91,13 @@ def test_one_forward_per_step_and_logits_only_where_a_token_is_sampled(monkeypat
         assert calls[-1] <= 20
 
 
-def test_single_request_path_goes_through_the_scheduler_and_the_runner(engine, monkeypatch):
+def test_single_request_path_goes_through_the_scheduler_and_the_runner(llm, tokenizer, monkeypatch):
     seen = []
     execute = ModelRunner.execute_model
     monkeypatch.setattr(ModelRunner, "execute_model", lambda self, s: seen.append(s) or execute(self, s))
-    ids = engine.generate_ids(engine.encode_prompt("Romeo.\n"), max_new_tokens=5)
+    ids = greedy_ids(llm, "Romeo.\n", 5)
     assert len(seen) == len(ids) == 5
-    assert seen[0].num_scheduled_tokens == {"0": len(engine.encode_prompt("Romeo.\n"))}  # the prefill step
+    assert seen[0].num_scheduled_tokens == {"0": len(tokenizer.encode("Romeo.\n"))}  # the prefill step
     assert all(s.num_scheduled_tokens == {"0": 1} for s in seen[1:])  # then one decode token each
 
 
@@ -111,7 +111,7 @@ def test_seeded_sampling_does_not_depend_on_the_budget():
     assert texts[0] == texts[1]
 
 
-def test_budget_smaller_than_a_block_or_than_max_num_seqs_still_finishes():
+def test_budget_smaller_than_a_block_or_than_max_num_seqs_still_finishes(llm):
     eng = LLMEngine(device="cpu", dtype="float32", block_size=4, num_blocks=64, max_num_seqs=4,
                     max_num_batched_tokens=2)  # fmt: skip
     eng.trace = []
@@ -122,8 +122,8 @@ def test_budget_smaller_than_a_block_or_than_max_num_seqs_still_finishes():
     done = run_all(eng)
     assert all(len(t["ran"]) <= 2 and sum(t["num_scheduled_tokens"].values()) <= 2 for t in eng.trace)
     for i, prompt in enumerate(prompts):
-        assert done[str(i)] == list(eng.engine.token_stream(eng.engine.encode_prompt(prompt), p))
-    assert eng.block_manager.stats().used_blocks == 0
+        assert done[str(i)] == greedy_ids(llm, prompt, 6, ignore_eos=True)
+    assert eng.kv_cache_manager.stats().used_blocks == 0
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "64", None])
@@ -135,12 +135,12 @@ def test_bad_token_budget_is_a_clear_error(bad):
         LLMEngine(device="cpu", max_num_batched_tokens=bad)
 
 
-def test_without_chunked_prefill_the_budget_must_hold_a_whole_context(engine):
+def test_without_chunked_prefill_the_budget_must_hold_a_whole_context(tokenizer):
     with pytest.raises(ValueError, match="enable_chunked_prefill"):
         LLMEngine(device="cpu", max_num_batched_tokens=64, enable_chunked_prefill=False)
     eng = LLMEngine(device="cpu", dtype="float32", enable_chunked_prefill=False, max_num_batched_tokens=512)
     eng.trace = []
-    long_ids = engine.tokenizer.encode(LONG)
+    long_ids = tokenizer.encode(LONG)
     prompts = [long_ids[i:] for i in range(4)]  # four different long prompts (stage 10: nothing shared)
     for i, prompt in enumerate(prompts):
         eng.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=4))
@@ -150,24 +150,42 @@ def test_without_chunked_prefill_the_budget_must_hold_a_whole_context(engine):
     assert max(sum(step.values()) for step in steps) <= 512
 
 
-def test_scheduler_output_names_new_resumed_and_preempted_requests():
+def finish_by_hand(eng: LLMEngine, so) -> None:
+    """The rest of `LLMEngine.step` for a SchedulerOutput the test got from `eng.scheduler.schedule()`."""
+    outputs, stopped = eng.output_processor.process_outputs(
+        eng.scheduler.update_from_output(so, eng.model_runner.execute_model(so))
+    )
+    assert outputs and not stopped
+
+
+def test_scheduler_output_names_new_resumed_and_preempted_requests(llm):
     eng = LLMEngine(device="cpu", block_size=4, num_blocks=6, max_num_seqs=4)
     p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for rid in ("a", "b", "c", "d"):
         eng.add_request(rid, list(range(1, 5)), p)  # one full block each
     first = eng.scheduler.schedule()
-    assert first.scheduled_new_reqs == ["a", "b", "c", "d"] and first.total_num_scheduled_tokens == 16
-    eng.scheduler.update_from_output(first, eng.model_runner.execute_model(first))
+    assert [r.req_id for r in first.scheduled_new_reqs] == ["a", "b", "c", "d"]
+    assert first.total_num_scheduled_tokens == 16 and first.scheduled_cached_reqs.req_ids == []
+    tables = {r.req_id: r.block_ids for r in first.scheduled_new_reqs}  # new requests: their whole table
+    assert all(len(t) == 1 for t in tables.values())
+    finish_by_hand(eng, first)
     second = eng.scheduler.schedule()  # each needs a 2nd block, 2 are free: a, b take them, c preempts d
     assert second.preempted_req_ids == ["d"] and second.scheduled_new_reqs == []
-    assert [s.request_id for s in second.scheduled] == ["a", "b", "c"]
-    eng.scheduler.update_from_output(second, eng.model_runner.execute_model(second))
+    assert list(second.num_scheduled_tokens) == ["a", "b", "c"] and second.total_num_scheduled_tokens == 3
+    c = second.scheduled_cached_reqs  # requests the runner knows: only what changed, their tables' new tails
+    assert c.req_ids == ["a", "b", "c"] and c.num_computed_tokens == [4, 4, 4]
+    assert c.resumed_from_preemption == [False] * 3
+    assert [(j, len(ids)) for j, ids in c.new_block_ids] == [(1, 1)] * 3  # each table grew by one block at index 1
+    assert c.new_block_ids[2] == (1, tables["d"])  # c's new block is the one d gave back
+    held = {b for t in tables.values() for b in t}
+    assert not held & {c.new_block_ids[0][1][0], c.new_block_ids[1][1][0]}  # a and b took the two free ones
+    finish_by_hand(eng, second)
     eng.trace = []
     done = run_all(eng)
     assert any(t["scheduled_resumed_reqs"] == ["d"] for t in eng.trace)  # d comes back, as resumed, not new
     assert all("d" not in t["scheduled_new_reqs"] for t in eng.trace)
-    assert done["d"] == list(eng.engine.token_stream(list(range(1, 5)), p))
-    assert eng.block_manager.stats().used_blocks == 0
+    assert done["d"] == greedy_ids(llm, list(range(1, 5)), 12, ignore_eos=True)
+    assert eng.kv_cache_manager.stats().used_blocks == 0
 
 
 # ---- the attention paths against the oracle ---------------------------------------------------------

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from conftest import make_random_checkpoint, run_python
+from conftest import greedy_ids, hf_greedy, make_random_checkpoint, run_python
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from roseinfer import LLM, LLMEngine, SamplingParams
-from roseinfer.block_manager import BlockSpaceManager
-from roseinfer.block_pool import BlockPool, FreeBlockQueue, hash_block
+from roseinfer.core.block_pool import BlockPool, FreeBlockQueue, hash_block
+from roseinfer.core.kv_cache_manager import KVCacheManager
 
 BS = 4  # a small block size makes every prefix length relative to a block easy to hit
 
@@ -55,7 +55,7 @@ def test_pool_evicts_a_free_cached_block_only_when_it_is_handed_out_again():
 
 
 def test_admission_shares_full_blocks_and_always_leaves_a_token_to_compute():
-    bm = BlockSpaceManager(block_size=BS, num_blocks=16, enable_prefix_caching=True)
+    bm = KVCacheManager(block_size=BS, num_blocks=16, enable_prefix_caching=True)
     prompt = list(range(1, 13))  # exactly 3 blocks
     h = hashes_of(prompt)
     assert bm.find_cached_blocks(h, len(prompt)) == []
@@ -77,7 +77,7 @@ def test_admission_shares_full_blocks_and_always_leaves_a_token_to_compute():
 
 
 def test_freeing_puts_the_tail_first_so_a_prefix_outlives_its_tail():
-    bm = BlockSpaceManager(block_size=BS, num_blocks=6, enable_prefix_caching=True)
+    bm = KVCacheManager(block_size=BS, num_blocks=6, enable_prefix_caching=True)
     tokens = list(range(1, 13))
     assert bm.allocate_slots("a", 12, hashes_of(tokens))
     table = list(bm.block_tables["a"])
@@ -88,7 +88,7 @@ def test_freeing_puts_the_tail_first_so_a_prefix_outlives_its_tail():
 
 
 def test_a_block_is_never_both_cached_for_two_hashes_or_shared_while_partial():
-    bm = BlockSpaceManager(block_size=BS, num_blocks=8, enable_prefix_caching=True)
+    bm = KVCacheManager(block_size=BS, num_blocks=8, enable_prefix_caching=True)
     tokens = list(range(1, 7))  # 1.5 blocks
     assert bm.allocate_slots("a", 6, hashes_of(tokens))
     assert len(bm.pool.cached) == 1  # the partial second block is private
@@ -105,7 +105,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.bm = BlockSpaceManager(block_size=BS, num_blocks=12, enable_prefix_caching=True)
+        self.bm = KVCacheManager(block_size=BS, num_blocks=12, enable_prefix_caching=True)
         self.seqs: dict[str, list[int]] = {}  # id -> its tokens whose K/V are in its blocks
         self.content: dict[int, list[int | None]] = {}  # block -> what was written into each slot
         self.named: dict[bytes, list[int]] = {}  # block hash -> the block's own tokens
@@ -185,7 +185,7 @@ def run_all(eng: LLMEngine) -> dict[str, object]:
     return done
 
 
-def test_a_second_request_with_the_same_prefix_computes_only_its_own_tokens(engine):
+def test_a_second_request_with_the_same_prefix_computes_only_its_own_tokens():
     eng = LLMEngine(device="cpu", dtype="float32", block_size=8)
     greedy = SamplingParams(temperature=0, max_tokens=12)
     eng.add_request("a", SYSTEM + "Who are you?", greedy)
@@ -201,7 +201,7 @@ def test_a_second_request_with_the_same_prefix_computes_only_its_own_tokens(engi
     stats = eng.get_stats()
     assert stats["prefix_cache_hits"] == second.num_cached_tokens
     assert stats["prefix_cache_queries"] == len(first.prompt_token_ids) + len(second.prompt_token_ids)
-    assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_total"] == eng.block_manager.num_blocks
+    assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_total"] == eng.kv_cache_manager.num_blocks
     assert stats["num_preemptions"] == 0 and stats["kv_blocks_cached"] > 0
     nocache = LLMEngine(device="cpu", dtype="float32", block_size=8, enable_prefix_caching=False)
     nocache.add_request("b", SYSTEM + "Where is Ophelia?", greedy)
@@ -209,8 +209,6 @@ def test_a_second_request_with_the_same_prefix_computes_only_its_own_tokens(engi
 
 
 def test_a_full_hit_still_computes_the_last_token(hf_model):
-    from conftest import hf_greedy
-
     eng = LLMEngine(device="cpu", dtype="float32", block_size=4)
     prompt = list(range(100, 116))  # exactly 4 blocks
     p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -223,14 +221,14 @@ def test_a_full_hit_still_computes_the_last_token(hf_model):
     assert done["a"].token_ids == done["b"].token_ids == hf_greedy(hf_model, prompt, 6)
 
 
-def test_preempting_and_aborting_sharing_requests_only_drops_their_references():
+def test_preempting_and_aborting_sharing_requests_only_drops_their_references(llm):
     eng = LLMEngine(device="cpu", block_size=4, num_blocks=12, max_num_seqs=4)
     p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     prefix = list(range(1, 9))  # 2 blocks, shared by all
     for i in range(4):
         eng.add_request(str(i), prefix + [20 + i], p)
     eng.step()
-    bm = eng.block_manager
+    bm = eng.kv_cache_manager
     shared = bm.block_tables["0"][:2]
     assert all(bm.block_tables[str(i)][:2] == shared for i in range(4))
     assert [bm.pool.ref_count[b] for b in shared] == [4, 4]
@@ -241,9 +239,8 @@ def test_preempting_and_aborting_sharing_requests_only_drops_their_references():
         done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
     assert eng.scheduler.num_preemptions > 0  # 3 requests growing 20 tokens in 12 blocks
     assert bm.stats().used_blocks == 0
-    solo = LLMEngine(device="cpu", enable_prefix_caching=False)
-    for rid in ("0", "2", "3"):
-        assert done[rid] == list(solo.engine.token_stream(prefix + [20 + int(rid)], p)), rid
+    for rid in ("0", "2", "3"):  # each as it runs alone
+        assert done[rid] == greedy_ids(llm, prefix + [20 + int(rid)], 20, ignore_eos=True), rid
 
 
 # ---- random traffic: caching on and off give the same tokens ----------------------------------------
@@ -278,12 +275,12 @@ def _drive(model_dir, reqs, caching, num_blocks, budget):
                 abort_at[rid] = step + 2
         pending = [(gap - 1, *rest) for gap, *rest in pending]
         for rid, when in list(abort_at.items()):
-            if when == step and rid in eng.sessions:
+            if when == step and rid in eng.output_processor.requests:
                 eng.abort_request(rid)
         if eng.has_unfinished_requests():
             done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
         step += 1
-    assert eng.block_manager.stats().used_blocks == 0, "KV blocks leaked"
+    assert eng.kv_cache_manager.stats().used_blocks == 0, "KV blocks leaked"
     return {rid: ids for rid, ids in done.items() if rid not in abort_at}, eng
 
 
@@ -293,7 +290,7 @@ def test_outputs_are_the_same_with_and_without_prefix_caching(tiny_model, reqs, 
     cached, eng = _drive(tiny_model, reqs, True, num_blocks, budget)
     plain, _ = _drive(tiny_model, reqs, False, num_blocks, budget)
     assert cached == plain
-    pool = eng.block_manager.pool
+    pool = eng.kv_cache_manager.pool
     assert all(pool.block_hash[b] == h for h, b in pool.cached.items())
 
 

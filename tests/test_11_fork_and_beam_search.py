@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from roseinfer import LLM, BeamSearchParams, CompletionOutput, LLMEngine, SamplingParams
-from roseinfer.block_manager import BlockSpaceManager
+from roseinfer.core.kv_cache_manager import KVCacheManager
 
 PROMPTS = ["Romeo.\n", "KING.", "To be, or not to be"]
 
@@ -28,16 +28,16 @@ def test_n1_output_is_unchanged_and_has_one_completion(llm):
     assert out.outputs == [CompletionOutput(0, out.text, out.token_ids, out.finish_reason)]
 
 
-def test_greedy_n_gives_n_copies_of_the_greedy_text(llm, engine, hf_model):
+def test_greedy_n_gives_n_copies_of_the_greedy_text(llm, hf_model):
     from conftest import hf_greedy
 
     out = llm.generate(["Romeo.\n"], SamplingParams(temperature=0, max_tokens=12, n=4), use_tqdm=False)[0]
-    greedy = hf_greedy(hf_model, engine.tokenizer.encode("Romeo.\n"), 12)
+    greedy = hf_greedy(hf_model, llm.tokenizer.encode("Romeo.\n"), 12)
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
     assert all(c.token_ids == greedy for c in out.outputs) and out.token_ids == greedy
     logprobs = [c.cumulative_logprob for c in out.outputs]
     assert logprobs[0] < 0 and max(logprobs) - min(logprobs) < 1e-4  # the same tokens, computed in other rows
-    assert llm.block_manager.stats().used_blocks == 0
+    assert llm.llm_engine.kv_cache_manager.stats().used_blocks == 0
 
 
 def test_each_of_n_samples_draws_from_its_own_seeded_stream(llm):
@@ -68,7 +68,7 @@ def test_the_prompt_runs_once_and_its_blocks_are_shared_then_copied_on_write():
     assert all(after[s][:2] == tables["r"][:2] for s in ("r", "r#1", "r#2"))  # the full blocks stay shared
     while eng.has_unfinished_requests():
         eng.step()
-    assert eng.block_manager.stats().used_blocks == 0
+    assert eng.kv_cache_manager.stats().used_blocks == 0
 
 
 def test_n8_uses_fewer_blocks_than_8_separate_requests():
@@ -82,7 +82,7 @@ def test_n8_uses_fewer_blocks_than_8_separate_requests():
         most = 0
         while eng.has_unfinished_requests():
             eng.step()
-            most = max(most, eng.block_manager.stats().used_blocks)
+            most = max(most, eng.kv_cache_manager.stats().used_blocks)
         peak[name] = most
     assert peak["n8"] == 6 + 8 and peak["8 requests"] == 8 * 7  # 6 full prompt blocks shared, a last block each
 
@@ -105,7 +105,7 @@ class ForkMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.bm = BlockSpaceManager(block_size=BS, num_blocks=16)
+        self.bm = KVCacheManager(block_size=BS, num_blocks=16)
         self.seqs: dict[str, list[int]] = {}
         self.content: dict[int, list[int | None]] = {}
         self.n = 0
@@ -197,13 +197,13 @@ def assert_same_beams(ours, theirs):
 @pytest.mark.parametrize("W", [1, 2, 4, 8])
 @pytest.mark.parametrize("lp", [0.5, 1.0, 2.0])
 @pytest.mark.parametrize("ignore_eos", [False, True])
-def test_beam_search_equals_hugging_face_on_the_bundled_model(llm, engine, hf_model, W, lp, ignore_eos):
+def test_beam_search_equals_hugging_face_on_the_bundled_model(llm, hf_model, W, lp, ignore_eos):
     eos = None if ignore_eos else hf_model.config.eos_token_id
     for prompt in PROMPTS:
-        ids = engine.tokenizer.encode(prompt)
+        ids = llm.tokenizer.encode(prompt)
         ours = llm.beam_search([ids], BeamSearchParams(W, 12, ignore_eos=ignore_eos, length_penalty=lp))[0]
         assert_same_beams(ours, hf_beams(hf_model, ids, W, 12, lp, eos))
-    assert llm.block_manager.stats().used_blocks == 0
+    assert llm.llm_engine.kv_cache_manager.stats().used_blocks == 0
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +237,7 @@ def test_beam_search_equals_hugging_face_with_eos_in_play(eos_model, W, lp):
         ended += [s.token_ids[-1] == hf.config.eos_token_id for s in ours.sequences]
     if W > 1 and lp < 1:  # a short penalty keeps short hypotheses: EOS really ended some of those returned
         assert any(ended)
-    assert llm.block_manager.stats().used_blocks == 0
+    assert llm.llm_engine.kv_cache_manager.stats().used_blocks == 0
 
 
 def test_beams_fork_and_share_blocks_during_the_search():
@@ -250,7 +250,7 @@ def test_beams_fork_and_share_blocks_during_the_search():
         refs = eng.trace[-1]["ref_counts"]
         shared = max(shared, max(refs.values(), default=0))
     assert shared >= 4  # the prompt's blocks are held by all 4 beams
-    assert eng.block_manager.stats().used_blocks == 0
+    assert eng.kv_cache_manager.stats().used_blocks == 0
 
 
 def test_preempted_groups_come_back_and_finish_the_same():
@@ -265,7 +265,7 @@ def test_preempted_groups_come_back_and_finish_the_same():
     x = [[s.token_ids for s in o.sequences] for o in roomy.beam_search(prompts, beam)]
     y = [[s.token_ids for s in o.sequences] for o in tight.beam_search(prompts, beam)]
     assert x == y
-    assert tight.block_manager.stats().used_blocks == 0
+    assert tight.llm_engine.kv_cache_manager.stats().used_blocks == 0
 
 
 def test_bad_beam_search_params():

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 
 from roseinfer import LLM, BeamSearchParams, LLMEngine, SamplingParams
-from roseinfer.block_manager import BlockSpaceManager
-from roseinfer.kv_cache import swap_blocks
+from roseinfer.core.kv_cache_manager import KVCacheManager
+from roseinfer.worker.kv_cache import swap_blocks
 
 BS = t11.BS
 PROMPTS = ["Romeo.\n", "Enter the Ghost.\n", "KING.", "Nurse.\n", "To be, or not to be", "O Romeo, Romeo!"]
@@ -32,9 +32,9 @@ def tight(mode, num_blocks=12, swap_blocks=64, max_num_seqs=6, **kw) -> LLM:
 
 
 def assert_no_leak(llm: LLM):
-    bm = llm.block_manager
-    assert bm.stats().used_blocks == 0 and len(bm.cpu_pool.free) == bm.num_cpu_blocks
-    assert not bm.block_tables and not bm.cpu_tables and not llm.llm_engine.scheduler.has_unfinished()
+    kv = llm.llm_engine.kv_cache_manager
+    assert kv.stats().used_blocks == 0 and len(kv.cpu_pool.free) == kv.num_cpu_blocks
+    assert not kv.block_tables and not kv.cpu_tables and not llm.llm_engine.scheduler.has_unfinished_requests()
 
 
 # ---- the host pool in the block manager: a state machine --------------------------------------------------
@@ -45,7 +45,7 @@ class SwapMachine(t11.ForkMachine):
 
     def __init__(self):
         super().__init__()
-        self.bm = BlockSpaceManager(block_size=BS, num_blocks=16, num_cpu_blocks=10)
+        self.bm = KVCacheManager(block_size=BS, num_blocks=16, num_cpu_blocks=10)
         self.swapped: dict[str, list[int]] = {}
         self.host: dict[int, list[int | None]] = {}
 
@@ -140,7 +140,7 @@ def solo_outputs():
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_every_request_equals_its_solo_output_and_hf_under_pressure(mode, solo_outputs, hf_model, engine):
+def test_every_request_equals_its_solo_output_and_hf_under_pressure(mode, solo_outputs, hf_model, tokenizer):
     llm = tight(mode)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     stats = llm.llm_engine.get_stats()
@@ -149,7 +149,7 @@ def test_every_request_equals_its_solo_output_and_hf_under_pressure(mode, solo_o
     assert stats["num_swapped_in"] == stats["num_swapped_out"]
     assert [o.token_ids for o in outs] == solo_outputs
     for o in outs:
-        assert o.token_ids == hf_greedy(hf_model, engine.tokenizer.encode(o.prompt), 20)
+        assert o.token_ids == hf_greedy(hf_model, tokenizer.encode(o.prompt), 20)
     assert_no_leak(llm)
 
 
@@ -183,7 +183,7 @@ def test_a_group_short_of_blocks_while_being_booked_is_preempted_whole(mode, num
     while eng.has_unfinished_requests():
         for o in eng.step():
             outs[o.request_id] = o
-    assert outs["a"].finished and outs["b"].finished and eng.block_manager.stats().used_blocks == 0
+    assert outs["a"].finished and outs["b"].finished and eng.kv_cache_manager.stats().used_blocks == 0
 
 
 def test_swapped_requests_come_back_before_new_ones_and_a_swap_step_admits_nobody():
@@ -200,7 +200,7 @@ def test_swapped_requests_come_back_before_new_ones_and_a_swap_step_admits_nobod
         if t["swapped"]:
             assert t["scheduled_new_reqs"] == []  # nobody overtakes a swapped request
     assert any(t["blocks_to_swap_out"] for t in eng.trace) and any(t["blocks_to_swap_in"] for t in eng.trace)
-    assert eng.block_manager.stats().used_blocks == 0
+    assert eng.kv_cache_manager.stats().used_blocks == 0
 
 
 def test_when_the_host_pool_is_full_a_swap_falls_back_to_recompute(solo_outputs):
@@ -222,15 +222,15 @@ def test_a_request_aborted_while_swapped_frees_its_host_blocks():
     victim = eng.scheduler.swapped[0].request_id
     assert eng.get_stats()["swap_blocks_used"] > 0
     eng.abort_request(victim)
-    assert eng.get_stats()["swap_blocks_used"] == 0 and victim not in eng.block_manager.cpu_tables
+    assert eng.get_stats()["swap_blocks_used"] == 0 and victim not in eng.kv_cache_manager.cpu_tables
     while eng.has_unfinished_requests():
         eng.step()
-    assert eng.block_manager.stats().used_blocks == 0
+    assert eng.kv_cache_manager.stats().used_blocks == 0
 
 
 def test_the_watermark_holds_admission_back_only_while_others_run():
     eng = LLMEngine(device="cpu", dtype="float32", block_size=BS, num_blocks=20, watermark=0.25)
-    assert eng.block_manager.watermark_blocks == 5
+    assert eng.kv_cache_manager.watermark_blocks == 5
     eng.add_request("a", list(range(1, 41)), SamplingParams(temperature=0, max_tokens=2))  # 10 blocks
     eng.add_request("b", list(range(100, 124)), SamplingParams(temperature=0, max_tokens=2))  # 6 more: 4 < 5 left
     eng.step()
@@ -252,8 +252,8 @@ def test_an_impossible_request_is_still_refused_at_submission():
 
 def test_stats_and_defaults():
     eng = LLMEngine(device="cpu", dtype="float32", block_size=BS, num_blocks=100)
-    assert eng.scheduler.preemption_mode is None and eng.block_manager.watermark_blocks == 1  # vLLM: 0.01
-    assert eng.block_manager.num_cpu_blocks == 4 * 2**30 // (8192 * BS)  # swap_space=4 GiB
+    assert eng.scheduler.config.preemption_mode is None and eng.kv_cache_manager.watermark_blocks == 1  # vLLM: 0.01
+    assert eng.kv_cache_manager.num_cpu_blocks == 4 * 2**30 // (8192 * BS)  # swap_space=4 GiB
     stats = eng.get_stats()
     assert {"num_swapped_out", "num_swapped_in", "swap_blocks_used", "swap_blocks_total"} <= set(stats)
     with pytest.raises(ValueError, match="preemption_mode"):

@@ -15,11 +15,11 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from conftest import PROMPTS, REPO, run_python
+from conftest import PROMPTS, REPO, greedy_ids, run_python
 
-from roseinfer import LLM, LLMEngine, SamplingParams
-from roseinfer.async_engine import AsyncLLMEngine
-from roseinfer.server import build_app
+from roseinfer import LLMEngine, RequestOutputKind, SamplingParams
+from roseinfer.entrypoints.api_server import build_app
+from roseinfer.entrypoints.async_engine import AsyncLLMEngine
 
 
 def free_port() -> int:
@@ -48,15 +48,21 @@ def running_server(max_waiting: int = 1024, **engine_kwargs):
         assert not thread.is_alive(), "the server did not stop"
 
 
+def is_empty(engine: LLMEngine) -> bool:
+    """No unfinished request (nor any of its sequences) in the engine, and no KV block held."""
+    kv = engine.kv_cache_manager
+    return not engine.output_processor.requests and not engine.scheduler.requests and not kv.block_tables
+
+
 def assert_engine_empty(engine: AsyncLLMEngine, timeout: float = 10.0) -> None:
     """Nothing left: no request in the engine or its queues, no KV block held (within `timeout`)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if not engine.engine.sessions and engine.num_unfinished == 0 and not engine.engine.block_manager.block_tables:
+        if is_empty(engine.engine) and engine.num_unfinished == 0:
             break
         time.sleep(0.05)
-    assert not engine.engine.sessions and engine.num_unfinished == 0
-    assert engine.engine.block_manager.stats().used_blocks == 0
+    assert is_empty(engine.engine) and engine.num_unfinished == 0
+    assert engine.engine.kv_cache_manager.stats().used_blocks == 0
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +77,8 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(llm):
     """What LLM.generate gives for the prompts, greedy, 16 tokens."""
-    llm = LLM(device="cpu", dtype="float32")
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     return {p: o.text for p, o in zip(PROMPTS, outs, strict=True)}
 
@@ -99,8 +104,7 @@ def test_streaming_text_equals_llm_generate_and_ends_with_usage(client, referenc
         assert chunks[-1].usage.completion_tokens == 16 and not chunks[-1].choices
 
 
-def test_token_id_prompts_a_batch_of_prompts_and_n(server, client, reference):
-    llm = LLM(device="cpu", dtype="float32")
+def test_token_id_prompts_a_batch_of_prompts_and_n(server, client, reference, llm):
     ids = llm.tokenizer.encode(PROMPTS[0])
     r = client.completions.create(model="roseinfer", prompt=ids, max_tokens=16, temperature=0)
     assert r.choices[0].text == reference[PROMPTS[0]]
@@ -119,6 +123,25 @@ def test_token_id_prompts_a_batch_of_prompts_and_n(server, client, reference):
             texts[c.index] += c.text
     assert texts == want
     assert_engine_empty(server[1])
+
+
+def test_the_engine_hands_the_server_only_each_steps_new_tokens(server, client, reference, llm, monkeypatch):
+    """The server asks for DELTA outputs: every output the engine yields holds that step's token, not all so far."""
+    engine, seen = server[1], []
+    generate = engine.generate
+
+    async def recording(prompt, params, request_id=None):
+        async for out in generate(prompt, params, request_id=request_id):
+            seen.append((params.output_kind, list(out.token_ids), out.text))
+            yield out
+
+    monkeypatch.setattr(engine, "generate", recording)
+    r = client.completions.create(model="roseinfer", prompt=PROMPTS[0], max_tokens=16, temperature=0)
+    assert r.choices[0].text == reference[PROMPTS[0]]
+    assert [kind for kind, _, _ in seen] == [RequestOutputKind.DELTA] * 16
+    assert [len(ids) for _, ids, _ in seen] == [1] * 16  # one new token a step
+    assert [t for _, ids, _ in seen for t in ids] == greedy_ids(llm, PROMPTS[0], 16)
+    assert "".join(text for _, _, text in seen) == reference[PROMPTS[0]]
 
 
 def test_stop_strings_and_metrics(server, client):
@@ -254,13 +277,13 @@ def test_async_engine_closing_a_stream_aborts_the_request():
         engine = AsyncLLMEngine(LLMEngine(device="cpu", dtype="float32"))
         gen = engine.generate("Romeo.\n", SamplingParams(max_tokens=300, ignore_eos=True), request_id="r")
         out = await gen.__anext__()
-        assert not out.finished and engine.engine.block_manager.stats().used_blocks > 0
+        assert not out.finished and engine.engine.kv_cache_manager.stats().used_blocks > 0
         await gen.aclose()
         for _ in range(100):  # aborted before the next step
-            if not engine.engine.sessions:
+            if is_empty(engine.engine):
                 break
             await asyncio.sleep(0.01)
-        assert not engine.engine.sessions and engine.engine.block_manager.stats().used_blocks == 0
+        assert is_empty(engine.engine) and engine.engine.kv_cache_manager.stats().used_blocks == 0
         with pytest.raises(ValueError, match="max_num_seqs"):  # the engine's own check reaches the caller
             await engine.generate("a", SamplingParams(n=100)).__anext__()
         await engine.shutdown()

@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from conftest import DEFAULT_MODEL, PROMPTS, hf_greedy, make_random_checkpoint
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from roseinfer import LLM, LLMEngine, SamplingParams
-from roseinfer.block_manager import BlockSpaceManager
-from roseinfer.spec_decode import SpeculativeConfig, max_spec_tokens
-from roseinfer.spec_decode import rejection_sampler as rs
+from roseinfer import LLM, BeamSearchParams, LLMEngine, SamplingParams
+from roseinfer.config import SpeculativeConfig
+from roseinfer.core.kv_cache_manager import KVCacheManager
+from roseinfer.core.sched.output import ModelRunnerOutput
+from roseinfer.sample import rejection_sampler as rs
+from roseinfer.sample.sampler import SamplingTensors, filtered_probs, sample
+from roseinfer.spec_decode import speculating_rows
+from roseinfer.spec_decode.draft_model import DraftModelProposer
 from roseinfer.spec_decode.ngram import NgramProposer
+from roseinfer.worker.input_batch import InputBatch
 
 DRAFT = str(Path(DEFAULT_MODEL).parent / "tiny-shakespeare-draft")  # the bundled draft model
 REPEAT = "ROMEO.\nI will go, I will go.\nJULIET.\nStay, stay.\nROMEO.\nI will go, I will go.\nJULIET.\n"
@@ -36,10 +45,29 @@ def token_ids(llm: LLM, prompts, params) -> list[list[int]]:
 
 
 def assert_no_leak(llm: LLM) -> None:
-    assert llm.block_manager.num_used_blocks == 0 and not llm.block_manager.block_tables
-    proposer = llm.llm_engine.proposer
-    if hasattr(proposer, "block_manager"):  # the draft model's own pool
-        assert proposer.block_manager.num_used_blocks == 0 and not proposer.seqs
+    """No KV block held; after one more (empty) step the runner and the draft model forget every request."""
+    eng = llm.llm_engine
+    kv = eng.kv_cache_manager
+    assert kv.num_used_blocks == 0 and not kv.block_tables and not eng.has_unfinished_requests()
+    assert eng.step() == []  # the runner learns which requests finished with the next step
+    assert not eng.model_runner.input_batch.requests
+    proposer = eng.model_runner.proposer
+    if isinstance(proposer, DraftModelProposer):  # its K/V bookkeeping per request
+        assert not proposer.computed and not proposer.fed
+
+
+def columns(params: list[SamplingParams], vocab_size: int, generators: dict | None = None) -> SamplingTensors:
+    """The sampler's per-row parameters for one row per SamplingParams (top_k = V when off)."""
+    top_k = [vocab_size if p.top_k < 1 else min(p.top_k, vocab_size) for p in params]
+    greedy = all(p.greedy for p in params)
+    return SamplingTensors(
+        temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+        top_k=torch.tensor(top_k, dtype=torch.int64),
+        top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+        all_greedy=greedy,
+        needs_filter=not greedy and any(k < vocab_size or p.top_p < 1 for k, p in zip(top_k, params, strict=True)),
+        generators=generators or {},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -101,19 +129,31 @@ def test_ngram_lookup_takes_the_longest_suffix_and_its_latest_match():
     assert p.lookup([1, 2, 3, 4], 3) == []  # no earlier occurrence of any suffix
     assert p.lookup([4, 4], 3) == [4]  # only what exists after the match
     assert NgramProposer(k=3, prompt_lookup_min=2, prompt_lookup_max=3).lookup([7, 1, 5, 1], 3) == []  # n >= 2
+    assert p.lookup(np.array([1, 2, 3, 9, 1, 2, 3, 8, 2, 3]), 3) == [8, 2, 3]  # the runner's token row, in place
 
 
-def test_drafts_never_run_past_max_tokens_or_the_context(engine):
-    s = engine.new_session("a", [1, 2, 3], SamplingParams(max_tokens=5))
-    assert max_spec_tokens(s, 8) == 4  # 5 tokens to go: 4 drafts + the target's own token
-    s.output_ids += [7, 7, 7, 7]
-    assert max_spec_tokens(s, 8) == 0  # one token left: plain decoding
-    s = engine.new_session("b", list(range(509)), SamplingParams(max_tokens=100))
-    assert max_spec_tokens(s, 8) == 2  # 509 + 3 = the 512-token context
+def test_drafts_never_run_past_max_tokens_or_the_context():
+    """After a step has sampled, the rows that may speculate and how many drafts each is worth: a step yields
+    up to drafts + 1 tokens, within max_tokens and the context; n > 1 and beams never speculate."""
+    ib = InputBatch(max_model_len=512, max_blocks_per_req=40, block_size=16, vocab_size=4096, device="cpu")
+    ib.add_request("a", [1, 2, 3], SamplingParams(max_tokens=5), [0], 3, None)
+    ib.add_request("b", list(range(509)), SamplingParams(max_tokens=100), list(range(1, 33)), 509, None)
+    ib.add_request("n2", [1, 2, 3], SamplingParams(max_tokens=50, n=2), [33], 3, None)
+    ib.add_request("beam", [1, 2, 3], BeamSearchParams(2, 50), [34], 3, None)
+    for rid in ("a", "b", "n2"):
+        ib.append_tokens(ib.req_id_to_row[rid], [7])  # the token this step sampled
+    out = ModelRunnerOutput(req_ids=["a", "b", "n2", "beam"], sampled_token_ids=[[7], [7], [7], []])
+    runner = SimpleNamespace(input_batch=ib)
+    row = ib.req_id_to_row
+    # a: 4 tokens to go: 3 drafts + the target's own token; b: 510 tokens, 2 more fill the 512-token context
+    assert speculating_rows(runner, out, 8) == [("a", row["a"], 3), ("b", row["b"], 1)]
+    assert speculating_rows(runner, out, 2) == [("a", row["a"], 2), ("b", row["b"], 1)]  # never more than k
+    ib.append_tokens(row["a"], [7, 7, 7])
+    assert speculating_rows(runner, out, 8) == [("b", row["b"], 1)]  # a: one token left: plain decoding
 
 
 def test_trim_gives_back_the_blocks_of_rejected_drafts():
-    bm = BlockSpaceManager(block_size=4, num_blocks=8)
+    bm = KVCacheManager(block_size=4, num_blocks=8)
     assert bm.allocate_slots("a", 6)
     assert bm.allocate_slots("a", 1 + 8)  # the last token + 8 drafts: 15 slots, 4 blocks
     assert len(bm.block_tables["a"]) == 4 and bm.num_free_blocks == 4
@@ -121,6 +161,13 @@ def test_trim_gives_back_the_blocks_of_rejected_drafts():
     assert len(bm.block_tables["a"]) == 3 and bm.num_tokens["a"] == 9 and bm.num_free_blocks == 5
     with pytest.raises(ValueError, match="holds 9"):
         bm.trim("a", 10)
+    # a draft model's lookahead: slots booked past the tokens for its guesses, not counted as tokens
+    assert bm.allocate_slots("a", 3, lookahead=4)  # 12 tokens + 4 ahead: 16 slots, 4 blocks
+    assert len(bm.block_tables["a"]) == 4 and bm.num_tokens["a"] == 12 and bm.num_free_blocks == 4
+    bm.trim("a", 10, lookahead=4)  # 14 slots: the 4 blocks stay
+    assert len(bm.block_tables["a"]) == 4 and bm.num_tokens["a"] == 10
+    bm.trim("a", 10)  # no lookahead: 10 slots, 3 blocks
+    assert len(bm.block_tables["a"]) == 3 and bm.num_free_blocks == 5
     bm.free("a")
     assert bm.num_free_blocks == 8
 
@@ -128,23 +175,57 @@ def test_trim_gives_back_the_blocks_of_rejected_drafts():
 def test_greedy_verification_keeps_drafts_up_to_the_first_miss():
     logits = torch.full((4, 6), -5.0)
     logits[torch.arange(4), torch.tensor([2, 4, 1, 5])] = 5.0  # the target's argmax at each position
-    g = [torch.Generator()]
-    greedy = [SamplingParams(temperature=0)]
-    assert rs.rejection_sample(logits, [[2, 4, 0]], [None], greedy, g) == [[2, 4, 1]]  # miss at 2: its own 1
-    assert rs.rejection_sample(logits, [[2, 4, 1]], [None], greedy, g) == [[2, 4, 1, 5]]  # all pass: a bonus
-    assert rs.rejection_sample(logits[:2], [[3]], [None], greedy, g) == [[2]]  # a miss at once: one token
+    greedy = columns([SamplingParams(temperature=0)], 6)
+    assert rs.rejection_sample(logits, [[2, 4, 0]], [None], greedy) == [[2, 4, 1]]  # miss at 2: its own 1
+    assert rs.rejection_sample(logits, [[2, 4, 1]], [None], greedy) == [[2, 4, 1, 5]]  # all pass: a bonus
+    assert rs.rejection_sample(logits[:2], [[3]], [None], greedy) == [[2]]  # a miss at once: one token
+    two = columns([SamplingParams(temperature=0)] * 2, 6)  # two requests in one call, 3 and 1 drafts
+    assert rs.rejection_sample(torch.cat([logits, logits[:2]]), [[2, 4, 0], [2]], [None, None], two) == [
+        [2, 4, 1],
+        [2, 4],
+    ]
+
+
+@settings(max_examples=60, deadline=None)
+@given(ks=st.lists(st.integers(1, 5), min_size=1, max_size=5), seed=st.integers(0, 2**16), data=st.data())
+def test_a_verifying_batch_gives_each_request_what_it_would_get_alone(ks, seed, data):
+    """Requests with different numbers of drafts verified in one call (padded to the longest): a greedy request
+    keeps its drafts up to the first that is not the target's argmax, then gets the argmax there; a sampling one
+    keeps a leading run of its drafts and one token more; a seeded one gets the same tokens as alone."""
+    V = 6
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(sum(k + 1 for k in ks), V, generator=g) * 3
+    argmax = logits.argmax(dim=-1).tolist()
+    starts = [sum(k + 1 for k in ks[:i]) for i in range(len(ks))]
+    drafts = [  # each draft the target's argmax or not, so that misses come anywhere
+        [argmax[s + j] if data.draw(st.booleans()) else data.draw(st.integers(0, V - 1)) for j in range(k)]
+        for s, k in zip(starts, ks, strict=True)
+    ]
+    params = [SamplingParams(temperature=data.draw(st.sampled_from([0.0, 1.0])), seed=i) for i in range(len(ks))]
+    gens = {i: p.make_generator() for i, p in enumerate(params) if not p.greedy}
+    out = rs.rejection_sample(logits, drafts, [None] * len(ks), columns(params, V, gens))
+    for i, (s, k, d, p, tokens) in enumerate(zip(starts, ks, drafts, params, out, strict=True)):
+        m = len(tokens) - 1
+        assert 0 <= m <= k and tokens[:m] == d[:m]
+        if p.greedy:
+            want = next((j for j in range(k) if d[j] != argmax[s + j]), k)
+            assert tokens == d[:want] + [argmax[s + want]]
+        else:
+            g_alone = p.make_generator()
+            alone = rs.rejection_sample(logits[s : s + k + 1], [d], [None], columns([p], V, {0: g_alone}))
+            assert tokens == alone[0]
+            assert torch.equal(gens[i].get_state(), g_alone.get_state())  # and its stream moved on as far
 
 
 def test_rejection_sampling_accepts_what_the_target_agrees_with():
     p_logits = torch.tensor([[0.0, 0.0, -1e9], [0.0, -1e9, 0.0]])  # p0 = (.5, .5, 0), p1 = (.5, 0, .5)
-    params = [SamplingParams(temperature=1.0)]
-    g = torch.Generator().manual_seed(0)
+    t = columns([SamplingParams(temperature=1.0)], 3, {0: torch.Generator().manual_seed(0)})
     q_same = torch.softmax(p_logits[:1], dim=-1)
     for _ in range(50):  # q == p: never rejected, and the bonus comes from p1 (never token 1)
-        out = rs.rejection_sample(p_logits, [[1]], [q_same], params, [g])[0]
+        out = rs.rejection_sample(p_logits, [[1]], [q_same], t)[0]
         assert out[0] == 1 and out[1] in (0, 2)
     for _ in range(50):  # a guess the target gives no mass: always rejected, replaced by a draw from p0
-        assert rs.rejection_sample(p_logits, [[2]], [None], params, [g])[0] in ([0], [1])
+        assert rs.rejection_sample(p_logits, [[2]], [None], t)[0] in ([0], [1])
 
 
 def test_rejection_sampling_turns_draws_from_q_into_draws_from_p():
@@ -152,11 +233,12 @@ def test_rejection_sampling_turns_draws_from_q_into_draws_from_p():
     distributed as p, though 80% of the drafts are token 0 (4,000 seeded draws; 5 standard deviations)."""
     p_logits = torch.tensor([[0.2, 0.3, 0.5], [1.0, 1.0, 1.0]]).log()
     q = torch.tensor([[0.8, 0.1, 0.1]])
-    params, g = [SamplingParams(temperature=1.0)], torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(1)
+    t = columns([SamplingParams(temperature=1.0)], 3, {0: g})
     first = torch.zeros(3)
     for _ in range(4000):
         d = int(torch.multinomial(q[0], 1, generator=g))
-        first[rs.rejection_sample(p_logits, [[d]], [q], params, [g])[0][0]] += 1
+        first[rs.rejection_sample(p_logits, [[d]], [q], t)[0][0]] += 1
     p = torch.tensor([0.2, 0.3, 0.5])
     assert ((first / 4000 - p).abs() < 5 * (p * (1 - p) / 4000).sqrt()).all(), first
 
@@ -177,8 +259,8 @@ def test_greedy_batch_equals_plain_decoding(method, k, reference):
 
 
 @pytest.fixture(scope="module")
-def hf_alone(hf_model, engine) -> dict[str, list[int]]:
-    return {p: hf_greedy(hf_model, engine.encode_prompt(p), GREEDY.max_tokens) for p in (REPEAT, PROMPTS[1])}
+def hf_alone(hf_model, tokenizer) -> dict[str, list[int]]:
+    return {p: hf_greedy(hf_model, tokenizer.encode(p), GREEDY.max_tokens) for p in (REPEAT, PROMPTS[1])}
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
@@ -190,16 +272,54 @@ def test_greedy_alone_equals_hugging_face(method, k, hf_alone):
     assert_no_leak(llm)
 
 
-@pytest.mark.parametrize("spec", [draft(4), "random", draft(8, DEFAULT_MODEL), ngram(4)])
-def test_greedy_under_preemption_chunked_prefill_and_prefix_caching(spec, reference, random_draft):
+@pytest.mark.parametrize(
+    ("spec", "mode"),
+    [(draft(4), None), ("random", None), (draft(8, DEFAULT_MODEL), None), (ngram(4), None), (draft(4), "swap")],
+)
+def test_greedy_under_preemption_chunked_prefill_and_prefix_caching(spec, mode, reference, random_draft):
     """A 10-block pool for 9 requests: they preempt each other; prompts arrive in 8-token chunks and the
     shared ones hit the prefix cache. Drafts: the bundled one, a random one (nearly always wrong), the target
-    itself (always right: every step ends with a bonus token), n-gram lookup."""
+    itself (always right: every step ends with a bonus token), n-gram lookup; and the bundled one with requests
+    swapped out and back (its own K/V stay behind: it must compute them again)."""
     spec = draft(4, random_draft) if spec == "random" else spec
-    llm = make(spec, num_blocks=10, block_size=8, max_num_batched_tokens=24, max_num_seqs=6)
+    llm = make(spec, num_blocks=10, block_size=8, max_num_batched_tokens=24, max_num_seqs=6, preemption_mode=mode)
     assert token_ids(llm, [*PROMPTS, REPEAT], GREEDY) == reference
-    assert llm.llm_engine.get_stats()["num_preemptions"] > 0
+    stats = llm.llm_engine.get_stats()
+    assert stats["num_preemptions"] > 0 and (stats["num_swapped_out"] > 0) == (mode == "swap")
     assert_no_leak(llm)
+
+
+def test_the_draft_model_keeps_its_kv_in_its_own_pool_at_the_targets_slots():
+    """The draft has K/V tensors of its own but no block table: block b of its pool holds the same positions of a
+    request as block b of the target's. After a few steps its pool holds, at the request's slots, the draft
+    model's K/V (Hugging Face's, layer by layer) of every token and of the guesses it fed, in the slots the
+    scheduler booked past the request's tokens."""
+    from transformers import GPT2LMHeadModel
+
+    k, bs = 4, 8
+    eng = LLMEngine(device="cpu", dtype="float32", num_blocks=64, block_size=bs, speculative_config=draft(k))
+    runner, proposer = eng.model_runner, eng.model_runner.proposer
+    hf = GPT2LMHeadModel.from_pretrained(DRAFT, dtype=torch.float32).eval()
+    C, H = hf.config.n_embd, hf.config.n_head
+    assert isinstance(proposer, DraftModelProposer) and eng.config.scheduler_config.num_lookahead_tokens == k
+    assert len(proposer.kv_cache.layers) == hf.config.n_layer != len(runner.kv_cache.layers)
+    assert proposer.kv_cache.layers[0][0].shape == (runner.kv_cache.num_blocks, bs, H, C // H)
+    eng.add_request("r", REPEAT, GREEDY)
+    for _ in range(3):
+        eng.step()
+    req = eng.scheduler.requests["r"]
+    fed = req.spec_token_ids[: k - 1]  # the next step's drafts: d1 .. d(k-1) went through the draft
+    assert proposer.computed["r"] == req.num_tokens and proposer.fed["r"] == fed and len(req.spec_token_ids) == k
+    tokens = req.all_token_ids + fed
+    table = eng.kv_cache_manager.block_tables["r"]
+    assert len(table) * bs >= len(tokens)  # the guesses' slots were booked in the request's own blocks
+    slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(len(tokens))])
+    with torch.no_grad():
+        hidden = hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states  # the input of every block
+        for block, (k_pool, v_pool), x in zip(hf.transformer.h, proposer.kv_cache.layers, hidden[:-1], strict=True):
+            _, key, value = block.attn.c_attn(block.ln_1(x[0])).split(C, dim=-1)  # [T, C] each
+            torch.testing.assert_close(k_pool.view(-1, H, C // H)[slots], key.view(len(tokens), H, -1))
+            torch.testing.assert_close(v_pool.view(-1, H, C // H)[slots], value.view(len(tokens), H, -1))
 
 
 def test_stop_strings_stop_token_ids_and_max_tokens_land_where_they_would(plain):
@@ -229,8 +349,6 @@ def test_streamed_deltas_add_up_to_the_text(plain):
 
 
 def test_n_greater_than_one_and_beam_search_still_work_with_speculation(plain):
-    from roseinfer import BeamSearchParams
-
     llm = make(ngram(4))
     params = SamplingParams(temperature=0.8, max_tokens=12, seed=5, n=3)
     a, b = (x.generate([REPEAT], params, use_tqdm=False)[0] for x in (plain, llm))
@@ -271,16 +389,15 @@ def exact_distribution(model_dir: Path, prompt: list[int], params: SamplingParam
     with Hugging Face's model (the reference, not ours)."""
     from transformers import GPT2LMHeadModel
 
-    from roseinfer.sampling import filtered_probs
-
     hf = GPT2LMHeadModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+    cols = columns([params], hf.config.vocab_size)
     paths = {(): 1.0}
     for _ in range(steps):
         nxt = {}
         for path, prob in paths.items():
             with torch.no_grad():
                 logits = hf(torch.tensor([prompt + list(path)])).logits[0, -1:]
-            p = filtered_probs(logits, [params])[0]
+            p = filtered_probs(logits, cols)[0]
             for t in p.nonzero()[:, 0].tolist():
                 nxt[path + (t,)] = prob * p[t].item()
         paths = nxt
@@ -321,8 +438,8 @@ def spec_llm(spec: dict) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def expected_paths(engine) -> tuple[list[int], dict]:
-    prompt = engine.encode_prompt(REPEAT)
+def expected_paths(tokenizer) -> tuple[list[int], dict]:
+    prompt = tokenizer.encode(REPEAT)
     return prompt, exact_distribution(Path(DEFAULT_MODEL), prompt, TOP_K, 3)
 
 
@@ -342,15 +459,16 @@ def test_the_chi_square_test_catches_a_sampler_that_accepts_every_draft(expected
     """The same test on a broken verifier that keeps every draft: the draft's distribution leaks into the output,
     and the test rejects it."""
 
-    def accept_all(logits, drafts, draft_probs, params, generators):
+    def accept_all(logits, drafts, draft_probs, t):
         out, row = [], 0
-        for d, p in zip(drafts, params, strict=True):
-            rows = logits[row : row + len(d) + 1]
+        for s, d in enumerate(drafts):
             row += len(d) + 1
-            out.append(list(d) + rs.rejection_sample(rows[len(d) :], [[]], [None], [p], [torch.Generator()])[0])
+            one = SamplingTensors(t.temperature[s : s + 1], t.top_k[s : s + 1], t.top_p[s : s + 1], t.all_greedy,
+                                  t.needs_filter, {0: t.generators[s]} if s in t.generators else {})  # fmt: skip
+            out.append(list(d) + sample(logits[row - 1 : row], one).tolist())  # every draft, then a bonus from p
         return out
 
-    monkeypatch.setattr("roseinfer.model_runner.rejection_sample", accept_all)
+    monkeypatch.setattr("roseinfer.worker.model_runner.rejection_sample", accept_all)
     prompt, expected = expected_paths
     counts = sampled_paths(spec_llm(draft(3)), prompt, 3)
     possible = {path: n for path, n in counts.items() if path in expected}
@@ -381,7 +499,7 @@ def test_the_server_speculates_streams_the_same_text_and_exports_the_counters(pl
 
 
 def test_roseinfer_serve_takes_a_speculative_config():
-    from roseinfer.cli import main
+    from roseinfer.entrypoints.cli import main
 
     with pytest.raises(SystemExit):  # --help lists it
         main(["serve", "--help"])

@@ -49,7 +49,7 @@ def test_a_diff_excerpt_reads_minus_lines_at_the_previous_stage(tmp_path):
 
 
 def test_a_chapter_without_a_stage_commit_is_checked_against_the_working_tree(tmp_path):
-    text = "```python\n# roseinfer/engine.py\n" + (REPO / "roseinfer/engine.py").read_text().splitlines()[0] + "\n```\n"
+    text = "```python\n# roseinfer/config.py\n" + (REPO / "roseinfer/config.py").read_text().splitlines()[0] + "\n```\n"
     assert _check(tmp_path, "99-not-yet-written", text) == []
 
 

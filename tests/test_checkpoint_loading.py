@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PROMPTS, hf_greedy, make_random_checkpoint, run_python
+from conftest import PROMPTS, greedy_ids, hf_greedy, make_random_checkpoint, run_python
 
-from roseinfer import DEFAULT_MODEL, LLM, InferenceEngine, SamplingParams
-from roseinfer.activations import ACTIVATIONS
-from roseinfer.loader import load_model
-from roseinfer.tokenizer import GPT2_URLS, Tokenizer
+from roseinfer import DEFAULT_MODEL, LLM, SamplingParams
+from roseinfer.model_executor.activations import ACTIVATIONS
+from roseinfer.model_executor.loader import load_model, read_model_config, resolve_model_dir
+from roseinfer.tokenizer import Tokenizer
+from roseinfer.tokenizer.tokenizer import GPT2_URLS
 
 EOT = "<|endoftext|>"
 TRICKY = [
@@ -38,6 +39,12 @@ SMALL = dict(n_positions=64, n_embd=32, n_layer=2, n_head=2)
 def private_tiktoken_cache(monkeypatch, tmp_path):
     """tiktoken keeps a copy of every vocab.json / merges.txt it reads: keep them out of /tmp."""
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken-cache"))
+
+
+def _load(model_dir: Path):
+    """Our GPT2 of a checkpoint directory, fp32 on the CPU, the way the engine loads it."""
+    model_dir = resolve_model_dir(model_dir)
+    return load_model(model_dir, read_model_config(model_dir), torch.device("cpu"), torch.float32)
 
 
 def _hf(model_dir: Path, **kw):
@@ -97,7 +104,7 @@ def test_untied_lm_head_matches_transformers(tmp_path):
         model.lm_head.weight.copy_(model.transformer.wte.weight * 20 + torch.randn_like(model.lm_head.weight))
     model.save_pretrained(tmp_path / "m")
     shutil.copy(Path(DEFAULT_MODEL) / "tokenizer.tiktoken", tmp_path / "m")
-    ours, _ = load_model(tmp_path / "m", torch.device("cpu"), torch.float32)
+    ours = _load(tmp_path / "m")
     assert ours.lm_head is not None and not torch.equal(ours.lm_head.weight, ours.transformer.wte.weight)
     _assert_matches_transformers(tmp_path / "m", model.eval())
 
@@ -126,10 +133,10 @@ def test_eos_token_id_is_the_one_transformers_generate_uses(tmp_path, config_eos
         generation.write_text(
             json.dumps(data if generation_eos == "no key" else {**data, "eos_token_id": generation_eos})
         )
-    engine = InferenceEngine(model_dir, device="cpu")
+    llm = LLM(model_dir, device="cpu")
     hf_model = _hf(model_dir)
     want = hf_greedy(hf_model, [1, 2, 3], 6)
-    assert engine.generate_ids([1, 2, 3], 6) == want
+    assert greedy_ids(llm, [1, 2, 3], 6) == want
     stops = generation_eos == 4095 or (config_eos, generation_eos) == (4095, "no file")
     assert want == ([4095] if stops else [4095] * 6)
 
@@ -137,15 +144,15 @@ def test_eos_token_id_is_the_one_transformers_generate_uses(tmp_path, config_eos
 def _assert_matches_transformers(model_dir: Path, hf_model, greedy: bool = True) -> None:
     """Same logits as transformers on random ids; and greedy text through the engine (paged decode)."""
     ids = torch.randint(0, 4095, (2, 24), generator=torch.Generator().manual_seed(0))
-    ours, _ = load_model(model_dir, torch.device("cpu"), torch.float32)
+    ours = _load(model_dir)
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), hf_model(ids).logits, rtol=1e-4, atol=1e-4)
     if not greedy:
         return
-    engine = InferenceEngine(model_dir, device="cpu", dtype="float32")  # prefill + paged decode
+    llm = LLM(model_dir, device="cpu", dtype="float32")  # prefill + paged decode
     prompt = ids[0, :8].tolist()
     want = hf_greedy(hf_model, prompt, 12)
-    assert engine.generate_ids(prompt, 12) == want
+    assert greedy_ids(llm, prompt, 12) == want
     assert len(set(want)) > 2, "random weights should not repeat one token"
 
 
@@ -268,8 +275,8 @@ def test_checkpoint_dir_loads_offline_and_matches_transformers(tmp_path, offline
 
     model_dir = make_checkpoint_dir(tmp_path / "m", flavor, files)
     hf_model, hf_tok = _hf(model_dir), GPT2TokenizerFast.from_pretrained(model_dir)
-    engine = InferenceEngine(model_dir, device="cpu", dtype="float32")
-    tok = engine.tokenizer
+    llm = LLM(model_dir, device="cpu", dtype="float32", num_blocks=64, block_size=4)
+    tok = llm.tokenizer
     assert tok.source == source
     for text in TRICKY:
         assert tok.encode(text) == hf_tok(text)["input_ids"], text
@@ -277,8 +284,7 @@ def test_checkpoint_dir_loads_offline_and_matches_transformers(tmp_path, offline
     prompts = [f"Romeo.\na{EOT}b hello world", " 42 leading"]
     want = [hf_greedy(hf_model, hf_tok(p)["input_ids"], GREEDY.max_tokens) for p in prompts]
     assert len(set(want[0])) > 2, "random weights should not repeat one token"
-    assert [engine.generate_ids(engine.encode_prompt(p), GREEDY.max_tokens) for p in prompts] == want
-    llm = LLM(model_dir, device="cpu", dtype="float32", num_blocks=64, block_size=4)
+    assert [greedy_ids(llm, p, GREEDY.max_tokens) for p in prompts] == want  # each request alone
     assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
     eng = llm.llm_engine
     for i, p in enumerate(prompts):
@@ -349,7 +355,7 @@ def test_tokenizer_that_would_give_other_ids_is_refused(tmp_path, name, changes,
     model_dir = make_checkpoint_dir(tmp_path / "m", "gpt2", VM + TJ)
     _edit_json(model_dir / name, **changes)
     with pytest.raises(ValueError, match=match):
-        InferenceEngine(model_dir, device="cpu")
+        LLM(model_dir, device="cpu")
 
 
 def test_vocab_ids_out_of_merge_order_are_refused(tmp_path):
@@ -359,7 +365,7 @@ def test_vocab_ids_out_of_merge_order_are_refused(tmp_path):
     vocab[a], vocab[b] = vocab[b], vocab[a]
     (model_dir / "vocab.json").write_text(json.dumps(vocab))
     with pytest.raises(ValueError, match="merge order"):
-        InferenceEngine(model_dir, device="cpu")
+        LLM(model_dir, device="cpu")
 
 
 def test_malformed_merges_txt_is_refused(tmp_path):
@@ -367,20 +373,21 @@ def test_malformed_merges_txt_is_refused(tmp_path):
     with (model_dir / "merges.txt").open("a", encoding="utf-8") as f:
         f.write("Ġ t h\n")
     with pytest.raises(ValueError, match="two tokens"):
-        InferenceEngine(model_dir, device="cpu")
+        LLM(model_dir, device="cpu")
 
 
-def test_bundled_model_loads_in_transformers_tokenizer_with_same_ids(engine, tmp_path):
+def test_bundled_model_loads_in_transformers_tokenizer_with_same_ids(llm, tmp_path):
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
     copy = tmp_path / "no-tiktoken"  # the same directory read through vocab.json + merges.txt
     shutil.copytree(DEFAULT_MODEL, copy, ignore=shutil.ignore_patterns("tokenizer.tiktoken", "*.safetensors"))
-    from_files = Tokenizer.from_model_dir(copy, engine.config.vocab_size)
-    assert engine.tokenizer.source == "tokenizer.tiktoken" and from_files.source == "vocab.json + merges.txt"
+    model_config = llm.llm_engine.config.model_config
+    from_files = Tokenizer.from_model_dir(copy, model_config.vocab_size)
+    assert llm.tokenizer.source == "tokenizer.tiktoken" and from_files.source == "vocab.json + merges.txt"
     for text in TRICKY + PROMPTS:
-        assert engine.tokenizer.encode(text) == from_files.encode(text) == hf(text)["input_ids"], text
-    assert hf.eos_token_id == engine.eos_token_id
+        assert llm.tokenizer.encode(text) == from_files.encode(text) == hf(text)["input_ids"], text
+    assert hf.eos_token_id == model_config.eos_token_id
 
 
 # ---- 3. Hub ids, from a local stand-in for the Hub cache ----------------------------------------
@@ -394,7 +401,8 @@ out = {}
 for repo in sys.argv[1:]:
     llm = LLM(repo, device="cpu", dtype="float32", num_blocks=64)
     res = llm.generate(["Romeo.\\n", "hello world"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-    out[repo] = {"dir": str(llm.engine.model_dir), "ids": [r.token_ids for r in res], "source": llm.tokenizer.source}
+    model_dir = llm.llm_engine.config.model_config.model_dir
+    out[repo] = {"dir": str(model_dir), "ids": [r.token_ids for r in res], "source": llm.tokenizer.source}
 print(json.dumps(out))
 """
 
@@ -433,6 +441,7 @@ def test_hub_download_asks_for_tokenizer_files_and_one_weights_file(tmp_path, mo
         return str(snap)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
-    load_model("gpt2", torch.device("cpu"), torch.float32)
+    model_dir = resolve_model_dir("gpt2")
     assert {"config.json", "vocab.json", "merges.txt", "tokenizer.json", "model.safetensors"} <= set(calls[0])
     assert "pytorch_model.bin" not in calls[0] and calls[1:] == [["pytorch_model.bin"]]
+    assert model_dir == snap and _load(model_dir).config.n_embd == SMALL["n_embd"]  # the downloaded weights load

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import inspect
 import json
+from dataclasses import fields
 
 import pytest
 import torch
-from conftest import make_random_checkpoint
+from conftest import greedy_ids, make_random_checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from roseinfer import LLM, InferenceEngine, LLMEngine, SamplingParams
+from roseinfer import LLM, EngineArgs, LLMEngine, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 NAN, INF = float("nan"), float("inf")
@@ -26,7 +26,7 @@ def _after_error_all_is_well(llm: LLM) -> None:
     """A valid request right after the error works, and no KV block is held."""
     out = llm.generate(["Romeo.\n"], GREEDY, use_tqdm=False)[0]
     assert out.finished and len(out.token_ids) >= 1
-    assert llm.block_manager.stats().used_blocks == 0
+    assert llm.llm_engine.kv_cache_manager.stats().used_blocks == 0
     assert not llm.llm_engine.has_unfinished_requests()
 
 
@@ -113,7 +113,6 @@ BAD_ENGINE_ARGS = [  # (argument, bad value, error); the message must name the a
     ("attention_backend", None, TypeError),
     ("max_num_seqs", 0, ValueError), ("max_num_seqs", -1, ValueError), ("max_num_seqs", 1.5, TypeError),
     ("max_num_seqs", True, TypeError), ("max_num_seqs", "4", TypeError), ("max_num_seqs", None, TypeError),
-    ("use_kv_cache", "no", TypeError), ("use_kv_cache", 0, TypeError), ("use_kv_cache", None, TypeError),
     ("max_num_batched_tokens", 0, ValueError), ("max_num_batched_tokens", -1, ValueError),
     ("max_num_batched_tokens", 1.5, TypeError), ("max_num_batched_tokens", True, TypeError),
     ("max_num_batched_tokens", "64", TypeError),
@@ -128,13 +127,23 @@ BAD_ENGINE_ARGS = [  # (argument, bad value, error); the message must name the a
     ("swap_space", -1, ValueError), ("swap_space", INF, ValueError), ("swap_space", NAN, ValueError),
     ("swap_space", 2**40, ValueError), ("swap_space", True, TypeError), ("swap_space", "4", TypeError),
     ("swap_space", None, TypeError),
+    ("speculative_config", 3, TypeError), ("speculative_config", "ngram", TypeError),
+    ("speculative_config", {"method": "magic", "num_speculative_tokens": 2}, ValueError),
+    ("speculative_config", {"method": "ngram"}, ValueError),
+    ("speculative_config", {"method": "ngram", "num_speculative_tokens": 2, "k": 3}, ValueError),
+    ("tensor_parallel_size", 0, ValueError), ("tensor_parallel_size", -1, ValueError),
+    ("tensor_parallel_size", 1.5, TypeError), ("tensor_parallel_size", True, TypeError),
+    ("tensor_parallel_size", "2", TypeError), ("tensor_parallel_size", None, TypeError),
+    ("tensor_parallel_size", 10**6, ValueError),  # more ranks than CPU cores
+    ("enforce_eager", "yes", TypeError), ("enforce_eager", 1, TypeError), ("enforce_eager", None, TypeError),
+    ("async_scheduling", "yes", TypeError), ("async_scheduling", 1, TypeError), ("async_scheduling", None, TypeError),
 ]  # fmt: skip
-ENGINE_CASES = [
-    (cls, arg, value, exc)
-    for cls in (LLM, LLMEngine, InferenceEngine)
-    for arg, value, exc in BAD_ENGINE_ARGS
-    if arg in inspect.signature(cls).parameters
-]
+ENGINE_CASES = [(cls, arg, value, exc) for cls in (LLM, LLMEngine) for arg, value, exc in BAD_ENGINE_ARGS]
+
+
+def test_every_engine_argument_has_bad_values_tested():
+    """The list above covers every EngineArgs field (the arguments of LLM, LLMEngine and `roseinfer serve`)."""
+    assert {a for a, _, _ in BAD_ENGINE_ARGS} == {f.name for f in fields(EngineArgs)}
 
 
 @pytest.mark.parametrize(
@@ -143,6 +152,12 @@ ENGINE_CASES = [
 def test_bad_constructor_argument_is_named(cls, arg, value, exc):
     with pytest.raises(exc, match=arg):
         cls(**{"device": "cpu", arg: value})
+
+
+@pytest.mark.parametrize("cls", [LLM, LLMEngine])
+def test_unknown_constructor_argument_is_a_type_error_naming_it(cls):
+    with pytest.raises(TypeError, match="use_kv_cache"):  # the no-KV-cache loop of stages 01-02 is gone
+        cls(device="cpu", use_kv_cache=False)
 
 
 def test_edge_values_that_are_valid(llm):
@@ -182,7 +197,7 @@ def test_engine_level_errors_leave_other_requests_correct(llm):
     done = {}
     while eng.has_unfinished_requests():
         done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
-    assert done["a"] == list(eng.engine.token_stream(eng.engine.encode_prompt("Romeo.\n"), GREEDY))
+    assert done["a"] == greedy_ids(llm, "Romeo.\n", GREEDY.max_tokens)  # the same tokens as alone
     _after_error_all_is_well(llm)
 
 
@@ -190,6 +205,20 @@ def test_engine_level_errors_leave_other_requests_correct(llm):
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     return make_random_checkpoint(tmp_path_factory.mktemp("tiny"), seed=7, n_positions=64, n_embd=64, n_layer=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_solo(tiny_model):
+    """Each request alone on the tiny model (no batching, no preemption, no speculation): its greedy tokens."""
+    solo, cache = LLM(tiny_model, device="cpu", dtype="float32"), {}
+
+    def run(prompt: list[int], max_tokens: int) -> list[int]:
+        key = (tuple(prompt), max_tokens)
+        if key not in cache:
+            cache[key] = greedy_ids(solo, prompt, max_tokens, ignore_eos=True)
+        return cache[key]
+
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -215,11 +244,11 @@ request = st.tuples(
     budget=st.integers(1, 30),  # stage 09: tokens per step; small budgets cut prompts into chunks
     mode=st.sampled_from([None, "recompute", "swap"]),  # stage 12: how to preempt
     swap_blocks=st.integers(0, 16),  # stage 12: host pool size, in blocks (0: swaps fall back to recompute)
-    spec=st.sampled_from([None, "ngram", "draft", "self"]),  # stage 14: no speculation, or which proposer
+    spec=st.sampled_from([None, "ngram", "draft", "self", "async"]),  # stage 14: which proposer; stage 16: or async
     k=st.integers(1, 5),
 )
-def test_random_traffic_keeps_every_invariant(tiny_model, tiny_draft, reqs, num_blocks, max_num_seqs, budget, mode,
-                                              swap_blocks, spec, k):  # fmt: skip
+def test_random_traffic_keeps_every_invariant(tiny_model, tiny_solo, tiny_draft, reqs, num_blocks, max_num_seqs, budget,
+                                              mode, swap_blocks, spec, k):  # fmt: skip
     spec_config = {"method": "ngram", "num_speculative_tokens": k} if spec == "ngram" else None
     if spec in ("draft", "self"):  # a wrong draft, or the target itself (every guess right)
         spec_config = {"method": "draft_model", "num_speculative_tokens": k,
@@ -227,7 +256,7 @@ def test_random_traffic_keeps_every_invariant(tiny_model, tiny_draft, reqs, num_
     eng = LLMEngine(tiny_model, device="cpu", dtype="float32", block_size=4, num_blocks=num_blocks,
                     max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, preemption_mode=mode,
                     swap_space=swap_blocks * 4 * kv_bytes_per_token(tiny_model) / 2**30,
-                    speculative_config=spec_config)  # fmt: skip
+                    speculative_config=spec_config, async_scheduling=spec == "async")  # fmt: skip
     eng.trace = []
     pending = [(gap, str(i), prompt, n, abort, k) for i, (gap, prompt, n, abort, k) in enumerate(reqs)]
     done, step, abort_at, refused = {}, 0, {}, set()
@@ -245,10 +274,11 @@ def test_random_traffic_keeps_every_invariant(tiny_model, tiny_draft, reqs, num_
                 abort_at[rid] = step + 2
         pending = [(gap - 1, *rest) for gap, *rest in pending]
         for rid, when in list(abort_at.items()):
-            if when == step and rid in eng.sessions:
+            if when == step and rid in eng.output_processor.requests:
                 eng.abort_request(rid)
-                bm = eng.block_manager
-                assert not any(s == rid or s.startswith(rid + "#") for s in [*bm.block_tables, *bm.cpu_tables])
+                kv = eng.kv_cache_manager
+                assert not any(s == rid or s.startswith(rid + "#") for s in [*kv.block_tables, *kv.cpu_tables])
+                assert not any(s == rid or s.startswith(rid + "#") for s in eng.scheduler.requests)
         if eng.has_unfinished_requests():
             for out in eng.step():
                 if out.finished:
@@ -256,15 +286,19 @@ def test_random_traffic_keeps_every_invariant(tiny_model, tiny_draft, reqs, num_
         assert len(eng.scheduler.running) <= max_num_seqs
         assert not eng.trace or sum(eng.trace[-1]["num_scheduled_tokens"].values()) <= budget
         step += 1
-    bm = eng.block_manager
-    assert bm.stats().used_blocks == 0 and len(bm.cpu_pool.free) == bm.num_cpu_blocks, "KV blocks leaked"
+        assert step < 2000, "the engine stopped making progress"
+    kv = eng.kv_cache_manager  # the draft model has no pool of its own: it writes into the target's blocks
+    assert kv.stats().used_blocks == 0 and len(kv.cpu_pool.free) == kv.num_cpu_blocks, "KV blocks leaked"
+    assert not eng.scheduler.requests and not kv.block_tables and not kv.cpu_tables
+    eng.step()  # the runner drops the rows of requests that finished in the last step at the next one
+    runner = eng.model_runner
+    assert not runner.input_batch.requests and not runner.input_batch.req_id_to_row, "runner rows leaked"
     if spec in ("draft", "self"):
-        assert eng.proposer.block_manager.num_used_blocks == 0 and not eng.proposer.seqs, "draft blocks leaked"
+        assert not runner.proposer.computed and not runner.proposer.fed, "draft state leaked"
     for i, (_, prompt, n, _, k) in enumerate(reqs):
         rid = str(i)
         if rid in done and rid not in abort_at:
-            solo = list(eng.engine.token_stream(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)))
-            assert done[rid] == [solo] * min(k, max_num_seqs), rid
+            assert done[rid] == [tiny_solo(prompt, n)] * min(k, max_num_seqs), rid
         elif rid not in abort_at and rid not in refused:
             raise AssertionError(f"request {rid} never finished")
 
@@ -283,4 +317,4 @@ def test_batch_invariance_alone_and_among_64_others(llm):
     prompts = others[:32] + [target] + others[32:]
     outs = crowd.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
     assert outs[32].token_ids == alone
-    assert crowd.block_manager.stats().used_blocks == 0
+    assert crowd.llm_engine.kv_cache_manager.stats().used_blocks == 0

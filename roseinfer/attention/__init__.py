@@ -47,6 +47,7 @@ __all__ = [
     "GatherBuffer",
     "TORCH_BACKEND",
     "get_backend",
+    "resolve_backend_name",
     "paged_attention",
     "write_kv",
 ]
@@ -70,13 +71,14 @@ SDPA_BACKEND = AttentionBackend("sdpa", write_kv_flat, attention_sdpa, plan_sdpa
 write_kv, paged_attention = write_kv_reference, paged_attention_reference  # the reference, by name
 
 
-def get_backend(name: str, device: torch.device) -> AttentionBackend:
-    """Resolve 'auto' | 'torch' | 'sdpa' | 'triton' for a device; a backend that cannot run there is a clear error."""
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    """'auto' | 'torch' | 'sdpa' | 'triton' for a device: 'auto' is triton on CUDA (when triton imports), sdpa on
+    a CPU; a backend that cannot run there is a clear error."""
     device = torch.device(device)
     if name == "auto":
-        name = "triton" if device.type == "cuda" and _triton_importable() else "sdpa"
+        return "triton" if device.type == "cuda" and _triton_importable() else "sdpa"
     if name in ("torch", "sdpa"):
-        return TORCH_BACKEND if name == "torch" else SDPA_BACKEND
+        return name
     if name != "triton":
         raise ValueError(f"unknown attention_backend {name!r}; use 'auto', 'torch', 'sdpa' or 'triton'")
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -86,6 +88,14 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend:
         )
     if not _triton_importable():
         raise ValueError("attention_backend='triton' needs the triton package (pip install triton==3.7.1)")
+    return name
+
+
+def get_backend(name: str, device: torch.device) -> AttentionBackend:
+    """The backend called `name` (resolved for `device` as above)."""
+    name = resolve_backend_name(name, device)
+    if name in ("torch", "sdpa"):
+        return TORCH_BACKEND if name == "torch" else SDPA_BACKEND
     from roseinfer.attention import triton_copy as tc
     from roseinfer.attention import triton_kernels as tk
     from roseinfer.attention import triton_prefill as tp

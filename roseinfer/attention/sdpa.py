@@ -11,7 +11,7 @@ two-index scatter. This path does the same math with as few copies as possible:
       k_cache.index_select(0, block ids)     one copy per *block* (16 slots of [H, D] in a row),
       -> [B, max_blocks * block_size, H, D]  in logical order, viewed as [B, H, L, D] (no copy)
       SDPA with a boolean mask [B, 1, 1, L]  positions >= seq_len switched off inside the kernel
-  decodes that all start with the same cached blocks (stage 10, prefix caching): cascade attention,
+  decodes that all start with the same cached blocks (prefix caching): cascade attention,
       the shared prefix read once for all rows, each run's own tokens after it, merged by log-sum-exp
   prefill chunks, one request at a time:
       a first chunk (no context yet)         attends to its own fresh K/V: SDPA is_causal, no gather
@@ -98,16 +98,18 @@ class SdpaPlan:
 
     decode_runs: list[DecodeRun]
     chunks: list[PrefillChunk]
-    prefix_blocks: torch.Tensor | None = None  # stage 10: blocks every decode row starts with (cascade)
+    prefix_blocks: torch.Tensor | None = None  # blocks every decode row starts with (cascade)
 
 
 CASCADE_MIN_ROWS, CASCADE_MIN_BLOCKS = 4, 4  # a shared prefix this big is worth attending to separately
 
 
 def common_prefix_blocks(block_tables: torch.Tensor, seq_lens: list[int], block_size: int) -> int:
-    """How many leading blocks all rows share (stage 10: the same physical ids, so the same K/V).
+    """How many leading blocks all rows share (the same physical ids, so the same K/V: prefix caching).
     Each row's last block is its own, so at most (shortest seq_len - 1) // block_size."""
     limit = (min(seq_lens) - 1) // block_size
+    if limit == 0 or not bool((block_tables[:, 0] == block_tables[0, 0]).all()):  # the usual answer, cheaply
+        return 0
     same = (block_tables[:, :limit] == block_tables[:1, :limit]).all(dim=0)  # [limit] column equal in every row
     return int(same.int().cumprod(dim=0).sum())
 
@@ -120,7 +122,7 @@ def plan_sdpa(meta: AttentionMetadata, block_size: int) -> SdpaPlan:
     k = common_prefix_blocks(meta.block_tables[:d], lens[:d], block_size) if cascade else 0
     k = k if k >= CASCADE_MIN_BLOCKS else 0
     runs = []  # over what each row has after the shared prefix (all of it when k = 0)
-    for a, b, width in decode_runs([n - k * block_size for n in lens[:d]], block_size):
+    for a, b, width in decode_runs([n - k * block_size for n in lens[:d]] if k else lens[:d], block_size):
         pos = torch.arange(width * block_size, device=dev)
         real = pos[None, :] < meta.seq_lens[a:b, None] - k * block_size  # [rows, L]
         blocks = meta.block_tables[a:b, k : k + width].reshape(-1).long()
@@ -198,7 +200,7 @@ def paged_decode_sdpa(
     seq_lens: torch.Tensor,  # [B] int, tokens each sequence attends to
     scale: float,
 ) -> torch.Tensor:  # [B, H, D]
-    """Decode attention for a batch in one call (stage 08's `paged_attention` signature)."""
+    """Decode attention for a batch in one call (the signature of `paged_attention_reference`)."""
     L = block_tables.shape[1] * k_cache.shape[1]
     real = torch.arange(L, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
     run = DecodeRun(0, len(q), block_tables.reshape(-1).long(), real[:, None, None, :])
@@ -220,6 +222,9 @@ def decode_runs(seq_lens: list[int], block_size: int) -> list[tuple[int, int, in
     blocks = [-(-n // block_size) for n in seq_lens]
     if not blocks:
         return []
+    top, bottom = max(blocks), min(blocks)
+    if 4 * bottom > 3 * top or (top - bottom) * len(blocks) <= SPLIT_COST_BLOCKS:
+        return [(0, len(blocks), top)]  # no row is short enough to be worth a call of its own
     cuts = [0]
     for i in range(1, len(blocks)):
         top = blocks[cuts[-1]]  # the run's longest row
@@ -241,7 +246,7 @@ def attention_sdpa(
     """A mixed batch: the decodes in a few calls (runs of similar length), then each prefill chunk on its own."""
     plan = meta.plan if isinstance(meta.plan, SdpaPlan) else plan_sdpa(meta, k_cache.shape[1])
     out = torch.empty_like(q)
-    if plan.prefix_blocks is not None:  # stage 10: many decodes share a cached prefix
+    if plan.prefix_blocks is not None:  # many decodes share a cached prefix
         d = plan.decode_runs[-1].b
         out[:d] = attend_cascade(q[:d], k_cache, v_cache, plan, scale, meta.gather_buffer)
     else:

@@ -1,6 +1,6 @@
 """Prefill attention in Triton: many queries per request, over the paged cache (chunked prefill included).
 
-Stage 08's decode kernel has ONE query per sequence: a program holds a [D] query and walks the keys.
+The decode kernel (triton_kernels.py) has ONE query per sequence: a program holds a [D] query and walks the keys.
 A prefill chunk has q_len new tokens per request, all attending to the same keys, so a program here
 holds a *tile* of BLOCK_M queries and every key tile it loads is used by all of them:
 
@@ -78,7 +78,7 @@ def _prefill_attention_kernel(
     q_offs = (q_start + rows).to(tl.int64)[:, None] * stride_qn + head * stride_qh + dims[None, :]
     q = tl.load(q_ptr + q_offs, mask=row_valid[:, None], other=0.0).to(tl.float32)  # [BLOCK_M, D]
 
-    # The online softmax of stage 08 (`_attend_blocks`), now with one running (m, l, acc) per query row.
+    # The decode kernel's online softmax (`_attend_blocks`), now with one running (m, l, acc) per query row.
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # [BLOCK_M] running max
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # [BLOCK_M] running sum of exps
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # [BLOCK_M, D] running weighted sum of V rows
@@ -179,7 +179,7 @@ def attention_triton(
     scale: float,
     out: torch.Tensor | None = None,  # [N, H, D]
 ) -> torch.Tensor:
-    """A whole mixed batch, as `attention_reference`: decodes -> stage 08's decode kernel, the rest -> prefill.
+    """A whole mixed batch, as `attention_reference`: decodes -> the decode kernel, the rest -> prefill.
 
     Both kernels write into slices of one `out`, so the forward pass sees a single [N, H, D] result.
     """
@@ -203,7 +203,7 @@ def attention_triton(
 
 
 # --------------------------------------------------------------------------------------------------
-# Argument checks (stage 08's helpers): a wrong stride or a too-small grid is a silent wrong answer.
+# Argument checks (shared with the decode kernel): a wrong stride or a too-small grid is a silent wrong answer.
 # --------------------------------------------------------------------------------------------------
 
 

@@ -1,0 +1,153 @@
+"""A request as the scheduler sees it: token ids and counters, nothing else.
+
+The core never sees text, a tokenizer or a tensor. A `Request` holds what scheduling needs:
+
+    all_token_ids         prompt + generated ids, one list that only grows
+    num_computed_tokens   how many of them have their K/V in the paged cache (a chunked prompt grows
+                          in chunks; a decode by one per step; a preemption by recompute sets it to 0)
+    block_hashes          the hash of every full block so far, for prefix caching (roseinfer/core/block_pool.py)
+    spec_token_ids        draft tokens the model runner proposed for the next step (speculative decoding)
+    finish_reason         None while it runs; "stop" (EOS, a stop token), "length" or "abort"
+
+Stop strings need text, so they are not checked here: the output processor (roseinfer/engine/
+output_processor.py) finds them and finishes the request through `Scheduler.finish_requests`.
+
+Several sequences of one request (n completions, or the beams of a beam search) are requests of their
+own, "r", "r#1", "r#2", ..., tied by a `RequestGroup`: they share KV blocks (fork and copy-on-write),
+are admitted together and preempted together.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from roseinfer.core.block_pool import hash_block
+from roseinfer.sampling_params import BeamSearchParams, SamplingParams
+
+
+class Request:
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "max_model_len",
+                 "all_token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens", "block_hashes",
+                 "spec_token_ids", "finish_reason", "group", "index", "cumulative_logprob", "max_tokens",
+                 "stop_token_ids", "num_output_placeholders")  # fmt: skip
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | BeamSearchParams,
+        eos_token_id: int | None,
+        max_model_len: int,
+    ):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.eos_token_id = None if sampling_params.ignore_eos else eos_token_id  # None: never stop at EOS
+        self.max_model_len = max_model_len
+        self.all_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
+        self.block_hashes: list[bytes] = []
+        self.spec_token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.group: RequestGroup | None = None
+        self.index = 0  # which completion (or beam) of its request this sequence is
+        self.cumulative_logprob = 0.0  # of the generated tokens (kept for n > 1)
+        self.max_tokens = sampling_params.max_tokens
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        self.num_output_placeholders = 0  # async scheduling: tokens sampled in steps whose output is not in yet
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the sequence so far (prompt + generated)."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def is_beam(self) -> bool:
+        return isinstance(self.sampling_params, BeamSearchParams)
+
+    @property
+    def last_token_in_flight(self) -> bool:
+        """Async scheduling: the token on its way is this request's last (max_tokens, or a full context)."""
+        p = self.num_output_placeholders
+        return p > 0 and (self.num_output_tokens + p >= self.max_tokens or self.num_tokens + p >= self.max_model_len)
+
+    @property
+    def speculates(self) -> bool:
+        """Speculative decoding is for requests that decode alone: one completion, not a beam search."""
+        return self.group is None and self.sampling_params.n == 1 and not self.is_beam
+
+    def append_token(self, token_id: int) -> bool:
+        """Record a generated token and check the stops that need no text (vLLM's check_stop); True if the
+        request is finished by it."""
+        self.all_token_ids.append(token_id)
+        if token_id == self.eos_token_id or token_id in self.stop_token_ids:
+            self.finish_reason = "stop"
+        elif len(self.all_token_ids) - self.num_prompt_tokens >= self.max_tokens or (
+            len(self.all_token_ids) >= self.max_model_len
+        ):
+            self.finish_reason = "length"
+        return self.finish_reason is not None
+
+    def update_block_hashes(self, block_size: int) -> list[bytes]:
+        """The hash of every full block of the sequence so far, each computed once, each chained to the one
+        before (see roseinfer/core/block_pool.py)."""
+        hashes, tokens = self.block_hashes, self.all_token_ids
+        for i in range(len(hashes), len(tokens) // block_size):
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * block_size : (i + 1) * block_size]))
+        return hashes
+
+    def fork(self, request_id: str, index: int) -> Request:
+        """A child sequence: the same tokens and computed K/V so far (its blocks are shared, not copied)."""
+        child = Request(request_id, self.prompt_token_ids, self.sampling_params, None, self.max_model_len)
+        child.eos_token_id = self.eos_token_id
+        child.all_token_ids = list(self.all_token_ids)
+        child.num_computed_tokens, child.num_cached_tokens = self.num_computed_tokens, self.num_cached_tokens
+        child.block_hashes = list(self.block_hashes)
+        child.group, child.index, child.cumulative_logprob = self.group, index, self.cumulative_logprob
+        child.num_output_placeholders = self.num_output_placeholders
+        return child
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"finish_reason={self.finish_reason!r})")  # fmt: skip
+
+
+@dataclass(eq=False)
+class RequestGroup:
+    """The sequences of one request with n > 1 completions or a beam search.
+
+    parallel sampling (n = 3)     the prompt runs once, as one sequence "r"; in the step that computes its
+                                  last prompt token the scheduler forks it into "r", "r#1", "r#2": the same
+                                  blocks (reference count 3), each samples its own token from the same
+                                  logits and then decodes on its own, copying a shared block before writing
+    beam search (width 4)         the running beams "r", "r#1", ...; after every step the beam search
+                                  (roseinfer/engine/beam_search.py) picks the next beams: a beam two of them
+                                  continue is forked, one that none continues is finished
+    """
+
+    group_id: str  # the request id the caller gave
+    num_seqs: int  # n, or the beam width: the places it takes in the running batch at admission
+    seqs: list[Request] = field(default_factory=list)  # n > 1: all completions by index; beams: the running ones
+    _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    def new_seq_id(self) -> str:
+        return f"{self.group_id}#{next(self._ids)}"
+
+    @property
+    def live(self) -> list[Request]:
+        return [s for s in self.seqs if not s.finished]

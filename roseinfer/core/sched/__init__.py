@@ -1,0 +1,1 @@
+"""The scheduler and its one output, the data contract with the model runner."""

@@ -1,0 +1,149 @@
+"""The contract between the scheduler and the model runner, data only (vLLM V1's names).
+
+The scheduler decides what one step computes; the model runner keeps its own state for every request it
+has seen (token ids, block table, sampling parameters: roseinfer/worker/input_batch.py) and is only told
+what changed. Nothing here is a live object of the other side: ids, numbers and lists, so the same
+message can be pickled to another process (tensor parallelism) or read by a test.
+
+    SchedulerOutput
+      scheduled_new_reqs     [NewRequestData]     first time the runner sees them: prompt ids, params,
+                                                  block table, num_computed_tokens (a prefix-cache hit
+                                                  starts past its shared blocks)
+      scheduled_cached_reqs  CachedRequestData    requests the runner knows, one column per field:
+                                                  num_computed_tokens at the start of this step, the tail
+                                                  of the block table that changed ((j, ids): from index j
+                                                  on), tokens appended by someone other than the runner's
+                                                  sampler (beam search), resumed after a preemption
+      num_scheduled_tokens   {A: 1, B: 1, C: 48}  tokens to compute now, from num_computed_tokens on: 1 for
+                                                  a decode, a chunk of a prompt (or all of it), 1 + k when
+                                                  verifying k drafts
+      scheduled_spec_decode_tokens {A: [d1, d2]}  the drafts each verifying request checks this step
+      forks                  [ForkedRequest]      new sequences that copy a parent's state (n > 1, beams)
+      blocks_to_swap_out / blocks_to_swap_in / blocks_to_copy    block moves, before the forward, in that
+                                                  order (a swapped-out block may be reused in this step;
+                                                  a copy may read a block that has just been swapped in)
+      finished_req_ids       ids whose state the runner can drop
+
+A request gets a next token only when the step brings it to the end of its sequence (num_computed_tokens
++ num_scheduled_tokens == its number of tokens, plus its drafts); a prompt chunk that stops short only
+fills the KV cache.
+
+    ModelRunnerOutput       what came back: per request that reached its end, the tokens it got (one, or
+                            the accepted drafts and one more), the log-probabilities that n > 1 and beam
+                            search need, and the drafts proposed for the next step
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from roseinfer.sampling_params import BeamSearchParams, SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams | BeamSearchParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the runner already holds, as columns (one entry per request, in the same order)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)  # tokens the runner did not sample itself
+    new_block_ids: list[tuple[int, list[int]] | None] = field(default_factory=list)  # (j, table[j:]) or None
+    num_computed_tokens: list[int] = field(default_factory=list)  # at the start of this step
+
+
+@dataclass
+class ForkedRequest:
+    """`child_id` starts as a copy of `parent_id`: its token ids, and a block table sharing the parent's blocks.
+
+    `sample_now`: n > 1 completions forked in the step that computes the parent's last prompt token; the
+    child is not scheduled itself but samples its own first token from the parent's last row of logits.
+    Otherwise (a beam search's fork, made between steps) the child is scheduled like any request."""
+
+    parent_id: str
+    child_id: str
+    index: int  # which completion: a seeded request's child i draws from seed + i
+    block_ids: list[int]
+    sample_now: bool
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens computed now
+    total_num_scheduled_tokens: int = 0  # N, the rows of this step's forward: never more than the token budget
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    forks: list[ForkedRequest] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: list[str] = field(default_factory=list)  # sent back to waiting or swapped by this step
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per request that reached the end of its sequence this step (in `req_ids` order):
+
+    sampled_token_ids   its new tokens: one, or the drafts the target accepted and one of its own; [] for a
+                        beam, which returns log-probabilities instead
+    logprobs            request id -> the log-probability of each sampled token (requests with n > 1)
+    beam_logprobs       request id -> (token ids, log-probabilities) of its 2·beam_width most likely next
+                        tokens, best first: all a beam search step needs of a beam's distribution
+    spec_token_ids      request id -> the drafts proposed for its next step (speculative decoding)
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: dict[str, list[float]] = field(default_factory=dict)
+    beam_logprobs: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput()
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What the core reports about one request after a step (the output processor turns it into text).
+
+    A sequence of a request with n > 1 completions reports under its own id, with its `group_id` and
+    `index`; a finished beam search reports once, under the request's id, with its best `beams`."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    group_id: str | None = None
+    index: int = 0
+    cumulative_logprob: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    beams: list[tuple[list[int], float, str]] | None = None  # (token ids, cum. log-probability, finish reason)
+
+
+@dataclass
+class SpecDecodingStats:
+    """Speculative decoding since the start: verifications ("drafts": a request's drafts checked in one step),
+    the draft tokens they checked, the ones kept, and how many were kept at each draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos += [0] * (num_draft_tokens - len(per_pos))
+        for i in range(num_accepted):
+            per_pos[i] += 1

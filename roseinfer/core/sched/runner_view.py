@@ -1,0 +1,81 @@
+"""The scheduler's view of the model runner's persistent batch: what the runner already holds, so that each
+step tells it only what changed.
+
+The runner keeps a row per request (token ids, block table, sampling parameters) from the step it first
+sees the request until the scheduler says it finished. So for every request a step schedules, this class
+decides which message it needs:
+
+    first time                 NewRequestData: prompt ids, params, the whole block table
+    preempted since it last ran   a cached entry, `resumed`, with the whole (new) block table
+    otherwise                  a cached entry: num_computed_tokens, the table's changed tail if any (usually
+                               nothing: a decode crosses into a new block once in block_size steps), and
+                               tokens the runner did not sample itself (a beam search's choices)
+
+and it collects, between steps, the forks (a child starts as a copy of its parent's row) and the ids of
+finished requests (the runner drops their rows).
+"""
+
+from __future__ import annotations
+
+from roseinfer.core.kv_cache_manager import KVCacheManager
+from roseinfer.core.request import Request
+from roseinfer.core.sched.output import ForkedRequest, NewRequestData, SchedulerOutput
+
+
+class RunnerView:
+    def __init__(self, kv_cache_manager: KVCacheManager):
+        self.kv = kv_cache_manager
+        self.seen: set[str] = set()  # sequences the runner holds a row for
+        self.resumed: set[str] = set()  # preempted since they last ran: their next step sends a whole table
+        self.new_token_ids: dict[str, list[int]] = {}  # tokens appended outside the runner's sampler
+        self.forks: list[ForkedRequest] = []  # forks made between steps (beam search)
+        self.finished_ids: set[str] = set()  # rows to drop, since the last step
+
+    def start_step(self, out: SchedulerOutput) -> None:
+        """The forks and finished ids gathered since the last step go with this one."""
+        out.forks, out.finished_req_ids = self.forks, self.finished_ids
+        self.forks, self.finished_ids = [], set()
+
+    def book(self, req: Request, n: int, out: SchedulerOutput) -> None:
+        """What the runner is told about a request scheduled for `n` tokens this step."""
+        rid, kv = req.request_id, self.kv
+        out.num_scheduled_tokens[rid] = n
+        out.total_num_scheduled_tokens += n
+        if rid not in self.seen:
+            self.seen.add(rid)
+            self.resumed.discard(rid)
+            table = kv.take_block_table(rid)
+            out.scheduled_new_reqs.append(
+                NewRequestData(rid, req.prompt_token_ids, req.sampling_params, table, req.num_computed_tokens)
+            )
+            return
+        resumed = rid in self.resumed
+        if resumed:
+            self.resumed.discard(rid)
+            blocks = (0, kv.take_block_table(rid))
+        else:
+            blocks = kv.take_block_update(rid)
+        c = out.scheduled_cached_reqs
+        c.req_ids.append(rid)
+        c.resumed_from_preemption.append(resumed)
+        c.new_token_ids.append(self.new_token_ids.pop(rid, ()) if self.new_token_ids else ())
+        c.new_block_ids.append(blocks)
+        c.num_computed_tokens.append(req.num_computed_tokens)
+
+    def fork(self, parent: Request, child: Request, sample_now: bool) -> ForkedRequest:
+        """A child the runner will copy from its parent's row (its block table: the shared one, as it is now)."""
+        self.seen.add(child.request_id)
+        if parent.request_id in self.new_token_ids:  # tokens the parent's row lacks: the child's lacks them too
+            self.new_token_ids[child.request_id] = list(self.new_token_ids[parent.request_id])
+        table = self.kv.take_block_table(child.request_id)
+        return ForkedRequest(parent.request_id, child.request_id, child.index, table, sample_now)
+
+    def release(self, rid: str) -> None:
+        """A sequence finished: its row goes at the next step."""
+        self.resumed.discard(rid)
+        self.new_token_ids.pop(rid, None)
+        if rid in self.seen:
+            self.seen.discard(rid)
+            self.finished_ids.add(rid)
+        if self.forks:
+            self.forks = [f for f in self.forks if f.child_id != rid]

@@ -1,0 +1,212 @@
+"""LLMEngine: the online API (vLLM's names). Requests come and go while it runs.
+
+    engine = LLMEngine(max_num_seqs=8)
+    engine.add_request("a", "Romeo.\\n", SamplingParams(max_tokens=32))
+    while engine.has_unfinished_requests():
+        for out in engine.step():          # one scheduler step: one forward over every scheduled token
+            print(out.request_id, repr(out.delta), out.finished)
+        if time_for_more: engine.add_request("b", "Juliet.\\n")   # joins the running batch next step
+
+A request's path, each hop converting data once:
+
+    prompt ─► InputProcessor ─► Request (token ids) ─► EngineCore: schedule ─► SchedulerOutput (data)
+           ─► ModelRunner: one forward, sample ─► ModelRunnerOutput (ids) ─► EngineCore: append, stop, free
+           ─► OutputProcessor: text, stop strings ─► RequestOutput
+
+Each `step()` returns one RequestOutput per request that got a token (by its `output_kind`: everything so
+far and the new text in `delta`, by default). A request whose prompt is still being prefilled in chunks
+gets none yet.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator, Sequence
+
+from roseinfer.config import EngineArgs, EngineConfig
+from roseinfer.core.request import Request
+from roseinfer.core.sched.output import SchedulerOutput
+from roseinfer.engine.core import EngineCore
+from roseinfer.engine.input_processor import InputProcessor
+from roseinfer.engine.output_processor import OutputProcessor
+from roseinfer.outputs import RequestOutput
+from roseinfer.sampling_params import BeamSearchParams, SamplingParams
+from roseinfer.tokenizer import Tokenizer
+
+
+class LLMEngine:
+    def __init__(self, model=None, **kwargs):
+        """`model`: a directory or Hub id (None: the bundled model); the other keyword arguments are
+        `EngineArgs`' (roseinfer/config.py), e.g. max_num_seqs=8, enable_prefix_caching=False,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4}, tensor_parallel_size=2."""
+        self._setup(EngineArgs(model=model, **kwargs).create_engine_config())
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        engine = cls.__new__(cls)
+        engine._setup(config)
+        return engine
+
+    def _setup(self, config: EngineConfig) -> None:
+        mc = config.model_config
+        self.config = config
+        self.tokenizer = Tokenizer.from_model_dir(mc.model_dir, mc.vocab_size)
+        self.input_processor = InputProcessor(self.tokenizer, mc.vocab_size, mc.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer, mc.eos_token_id)
+        self.engine_core = EngineCore(config)
+        self.scheduler = self.engine_core.scheduler
+        self.kv_cache_manager = self.engine_core.kv_cache_manager
+        self.model_runner = self.engine_core.model_runner
+        self.trace: list[dict] | None = None  # set to [] to record every step (notebooks, examples)
+        self.num_steps = 0
+        freeze_startup_heap()
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | BeamSearchParams | None = None
+    ) -> None:
+        """Queue a request. Bad input (and a prompt that can never fit the KV pool) raises here.
+        `SamplingParams(n=...)` asks for n completions; `BeamSearchParams` runs a beam search."""
+        if request_id in self.output_processor.requests or request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
+        if params is not None and not isinstance(params, (SamplingParams, BeamSearchParams)):
+            raise TypeError(f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}")
+        params = params or SamplingParams()
+        text, prompt_ids = self.input_processor.process(prompt)
+        mc = self.config.model_config
+        self.engine_core.add_request(Request(request_id, prompt_ids, params, mc.eos_token_id, mc.max_model_len))
+        self.output_processor.add_request(request_id, text, prompt_ids, params)
+
+    def check_request(self, prompt: str | list[int], params: SamplingParams | BeamSearchParams) -> list[int]:
+        """The checks `add_request` makes, without queueing anything: the prompt's token ids, or the error
+        (a server answers it before it accepts the request)."""
+        _, prompt_ids = self.input_processor.process(prompt)
+        mc = self.config.model_config
+        self.scheduler.check_fits(Request("check", prompt_ids, params, mc.eos_token_id, mc.max_model_len))
+        return prompt_ids
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a waiting or running request now and give its KV blocks back."""
+        if request_id not in self.output_processor.requests:
+            raise KeyError(f"cannot abort unknown request id {request_id!r} (finished requests are forgotten)")
+        self.engine_core.abort_request(request_id)
+        self.output_processor.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.output_processor.requests)
+
+    @property
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self.output_processor.requests)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers; a no-op with one process."""
+        self.engine_core.close()
+
+    # ---- one step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step: schedule, one forward, update. Returns an output for every request that got a token."""
+        try:
+            so, core_outputs = self.engine_core.step()
+            outputs, stopped = self.output_processor.process_outputs(core_outputs)
+            if stopped:  # stop strings: the core frees those sequences now, before the next step
+                self.scheduler.finish_requests(stopped, "stop")
+        except BaseException:
+            for rid in list(self.output_processor.requests):  # a failed step: fail every request, leak no block
+                self.abort_request(rid)
+            self.reset_prefix_cache()  # blocks registered for this step may never have been written
+            raise
+        self.num_steps += 1
+        if self.trace is not None:
+            done = [o.request_id for o in core_outputs if o.finish_reason is not None]
+            self.trace.append(self._trace_entry(so, done + stopped))
+        return outputs
+
+    def stream(
+        self, prompts: Sequence[str | list[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> Iterator[RequestOutput]:
+        """Add one or many prompts (ids "0", "1", ...) and yield every output as steps produce them."""
+        params = params if isinstance(params, Sequence) else [params] * len(prompts)
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            self.add_request(str(i), prompt, p)
+        while self.has_unfinished_requests():
+            yield from self.step()
+
+    # ---- counters ----------------------------------------------------------------------------
+    def get_stats(self) -> dict:
+        """Counters since the engine started (vLLM's names): prefix-cache lookups and hits in tokens,
+        preemptions, KV blocks in use (held by a request) out of the pool, swaps and host blocks, and with
+        speculative decoding the drafts proposed and accepted (see `spec_decode_stats`)."""
+        sched, kv = self.scheduler, self.kv_cache_manager
+        return {
+            **(self.spec_decode_stats() if self.config.speculative_config is not None else {}),
+            "prefix_cache_queries": sched.prefix_cache_queries,
+            "prefix_cache_hits": sched.prefix_cache_hits,
+            "num_preemptions": sched.num_preemptions,
+            "kv_blocks_used": kv.num_used_blocks,  # read after every step by the server: O(1)
+            "kv_blocks_total": kv.num_blocks,
+            "kv_blocks_cached": len(kv.pool.cached),  # full blocks findable by their prefix, in use or free
+            "num_swapped_out": sched.num_swapped_out,  # requests swapped out / in
+            "num_swapped_in": sched.num_swapped_in,
+            "swap_blocks_used": kv.num_swap_blocks_used,  # host blocks held by swapped requests
+            "swap_blocks_total": kv.num_cpu_blocks,
+        }
+
+    def spec_decode_stats(self) -> dict:
+        """Verifications ("drafts"), draft tokens checked and accepted, the acceptance rate, the mean acceptance
+        length (tokens a verifying step yields: accepted drafts + the target's own token) and the acceptance
+        rate at each draft position (position i is only reached if drafts 0 .. i-1 passed)."""
+        s = self.scheduler.spec_decoding_stats
+        drafts, proposed = s.num_drafts, s.num_draft_tokens
+        accepted, per_pos = s.num_accepted_tokens, s.num_accepted_tokens_per_pos
+        return {
+            "spec_decode_num_drafts": drafts,
+            "spec_decode_num_draft_tokens": proposed,
+            "spec_decode_num_accepted_tokens": accepted,
+            "spec_decode_acceptance_rate": accepted / proposed if proposed else 0.0,
+            "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
+            "spec_decode_num_accepted_tokens_per_pos": list(per_pos),
+            "spec_decode_acceptance_rate_per_pos": [n / drafts for n in per_pos] if drafts else [],
+        }
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix: later requests compute their K/V again (blocks in use stay)."""
+        self.kv_cache_manager.reset_prefix_cache()
+
+    def _trace_entry(self, so: SchedulerOutput, finished: list[str]) -> dict:
+        c = so.scheduled_cached_reqs
+        return {
+            "step": self.num_steps,
+            "ran": list(so.num_scheduled_tokens),
+            "num_scheduled_tokens": dict(so.num_scheduled_tokens),
+            "scheduled_spec_decode_tokens": {k: list(v) for k, v in so.scheduled_spec_decode_tokens.items()},
+            "scheduled_new_reqs": [r.req_id for r in so.scheduled_new_reqs],
+            "scheduled_resumed_reqs": [
+                r for r, resumed in zip(c.req_ids, c.resumed_from_preemption, strict=True) if resumed
+            ],  # fmt: skip
+            "preempted_req_ids": list(so.preempted_req_ids),
+            "finished": finished,
+            "waiting": [r.request_id for r in self.scheduler.waiting],
+            "swapped": [r.request_id for r in self.scheduler.swapped],
+            "blocks_to_swap_out": list(so.blocks_to_swap_out),
+            "blocks_to_swap_in": list(so.blocks_to_swap_in),
+            "running": [r.request_id for r in self.scheduler.running],
+            "preemptions": self.scheduler.num_preemptions,
+            **self.kv_cache_manager.snapshot(),
+        }
+
+
+_frozen = False
+
+
+def freeze_startup_heap() -> None:
+    """Move every object that exists once the first engine is built (the modules of torch, numpy, ...: hundreds
+    of thousands) out of the garbage collector's sight, as vLLM's engine core does. The objects a step creates
+    and keeps for a while (outputs, token lists) are promoted to the oldest generation, and each collection of
+    that generation walks all of it: without this, those walks cost about 2 ms per step on average at 256
+    running requests (chapter 16). Once per process: later objects stay collectable as usual."""
+    global _frozen
+    if not _frozen:
+        _frozen = True
+        gc.collect()
+        gc.freeze()

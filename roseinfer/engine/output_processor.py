@@ -1,0 +1,225 @@
+"""The output processor: token ids from the core in, text and RequestOutputs out (vLLM V1's OutputProcessor).
+
+The core reports, per sequence that got tokens, its new token ids and whether a stop without text ended it
+(EOS, a stop token id, max_tokens). Everything that needs text happens here, in front of the core:
+
+    detokenize     each new token through the request's streaming detokenizer (engine/detokenizer.py)
+    stop strings   a stop string found in the text ends the sequence: its later tokens are dropped, and
+                   the engine tells the core to free it (`process_outputs` returns its id)
+    n > 1          the n sequences of a request ("r", "r#1", ...) report separately; one RequestOutput
+                   per request carries all n completions (vLLM's ParentRequest)
+    output kinds   CUMULATIVE: all text and tokens so far (lazy snapshots: joined only when read) and
+                   the step's `delta`; DELTA: only what is new; FINAL_ONLY: one output at the end
+
+A request that wants only its final output and has no stop strings is not detokenized step by step at
+all: its text is decoded once, when it finishes (that is what `LLM.generate` asks for).
+"""
+
+from __future__ import annotations
+
+import codecs
+
+from roseinfer.core.sched.output import EngineCoreOutput
+from roseinfer.engine.detokenizer import Detokenizer
+from roseinfer.outputs import CompletionOutput, RequestOutput
+from roseinfer.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from roseinfer.tokenizer import Tokenizer
+
+CUMULATIVE, DELTA, FINAL_ONLY = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
+
+
+class Completion:
+    """One sequence's tokens and text so far."""
+
+    __slots__ = ("index", "token_ids", "detokenizer", "finish_reason", "cumulative_logprob", "reported")
+
+    def __init__(self, index: int, detokenizer: Detokenizer | None):
+        self.index, self.token_ids, self.detokenizer = index, [], detokenizer
+        self.finish_reason: str | None = None
+        self.cumulative_logprob: float | None = None
+        self.reported = False  # its finish went out in a DELTA output already
+
+
+class RequestState:
+    """What the output processor keeps of a request until it finishes."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams | BeamSearchParams, processor: OutputProcessor):  # fmt: skip
+        self.request_id, self.prompt, self.prompt_token_ids, self.params = request_id, prompt, prompt_token_ids, params
+        self.kind = params.output_kind
+        self.stream_text = self.kind is not FINAL_ONLY or bool(params.stop)  # detokenize token by token
+        self.processor = processor
+        self.completions: dict[int, Completion] = {}
+        self.num_seqs = 1 if isinstance(params, BeamSearchParams) else params.n
+        self.num_finished = 0
+        self.num_cached_tokens = 0
+        self.delta = ""  # completion 0's new text in this step (n > 1)
+        self.completion(0)
+
+    def completion(self, index: int) -> Completion:
+        c = self.completions.get(index)
+        if c is None:
+            p = self.processor
+            detok = Detokenizer(p.token_bytes, self.params.stop, (p.eos_token_id,)) if self.stream_text else None
+            c = self.completions[index] = Completion(index, detok)
+        return c
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished >= self.num_seqs
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, eos_token_id: int | None):
+        self.tokenizer, self.eos_token_id = tokenizer, eos_token_id
+        self.token_bytes = tokenizer.token_bytes_table
+        self.requests: dict[str, RequestState] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams | BeamSearchParams) -> None:  # fmt: skip
+        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, self)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Forget a request; its last output (finish_reason "abort") for whoever still waits on it."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        for i in range(state.num_seqs):
+            c = state.completion(i)
+            c.finish_reason = c.finish_reason or "abort"
+        state.num_finished = state.num_seqs
+        return self._final_output(state)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Turn one step's core outputs into RequestOutputs; also return the sequences a stop string ended,
+        which the core must free."""
+        results, stopped, groups = [], [], {}
+        requests = self.requests
+        for o in outputs:
+            rid = o.group_id or o.request_id
+            state = requests.get(rid)
+            if state is None:
+                continue
+            if o.beams is not None:
+                self._finish_beams(state, o)
+            elif state.num_seqs == 1:  # one sequence: its output right away
+                c = state.completions[0]
+                state.num_cached_tokens = o.num_cached_tokens
+                delta = self._append(c, o, stopped)
+                done = c.finish_reason is not None
+                if state.kind is CUMULATIVE:  # all so far, as lengths of the growing lists (see outputs.py)
+                    snapshot = (c.detokenizer.pieces, c.token_ids)
+                    results.append(RequestOutput(rid, state.prompt, state.prompt_token_ids, None, c.finish_reason,
+                                                 delta, state.num_cached_tokens, snapshot))  # fmt: skip
+                else:
+                    state.num_finished = int(done)
+                    out = self._output(state, delta)
+                    if out is not None:
+                        results.append(out)
+                if done:
+                    del requests[rid]
+                continue
+            else:  # one of n completions: the request's output once all of this step's are in
+                c = state.completion(o.index)
+                state.num_cached_tokens = o.num_cached_tokens
+                was_done = c.finish_reason is not None
+                delta = self._append(c, o, stopped)
+                state.num_finished += c.finish_reason is not None and not was_done
+                if o.index == 0:
+                    state.delta = delta
+            groups[rid] = state
+        for rid, state in groups.items():
+            out = self._output(state, state.delta)
+            state.delta = ""
+            if out is not None:
+                results.append(out)
+            if state.finished:
+                del requests[rid]
+        return results, stopped
+
+    def _append(self, c: Completion, o: EngineCoreOutput, stopped: list[str]) -> str:
+        """A sequence's new tokens: through the detokenizer one by one, ending at a stop string."""
+        detok = c.detokenizer
+        if o.cumulative_logprob is not None:
+            c.cumulative_logprob = o.cumulative_logprob
+        if detok is None:
+            c.token_ids += o.new_token_ids
+            c.finish_reason = o.finish_reason
+            return ""
+        tokens = o.new_token_ids
+        if len(tokens) == 1 and not detok.stop:  # the usual step: one token, no stop string to look for
+            c.token_ids.append(tokens[0])
+            delta = detok.step(tokens[0])
+        else:
+            delta = ""
+            for t in tokens:
+                c.token_ids.append(t)
+                delta += detok.step(t)
+                if detok.stopped:  # a stop string: the text ends before it, the tokens after it are dropped
+                    c.finish_reason = "stop"
+                    if o.finish_reason is None:
+                        stopped.append(o.request_id)
+                    return delta
+        if o.finish_reason is not None:
+            c.finish_reason = o.finish_reason
+            delta += detok.flush()
+        return delta
+
+    def _output(self, state: RequestState, delta: str) -> RequestOutput | None:
+        if state.kind is FINAL_ONLY:
+            return self._final_output(state) if state.finished else None
+        if state.kind is DELTA:
+            return self._delta_output(state, delta)
+        outs = []
+        for i in sorted(state.completions) if state.num_seqs > 1 else (0,):
+            c = state.completions[i]
+            outs.append(
+                CompletionOutput.snapshot(i, c.detokenizer.pieces, c.token_ids, c.finish_reason, c.cumulative_logprob)
+            )
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs, self._reason(state), delta,
+                             state.num_cached_tokens)  # fmt: skip
+
+    def _delta_output(self, state: RequestState, delta: str) -> RequestOutput:
+        """Only what this step added: each completion's new text and tokens (kept since the last output)."""
+        outs = []
+        for i in sorted(state.completions) if state.num_seqs > 1 else (0,):
+            c = state.completions[i]
+            new_pieces = c.detokenizer.pieces
+            new_tokens = c.token_ids
+            if not new_tokens and not (c.finish_reason and not c.reported):
+                continue
+            outs.append(CompletionOutput(i, "".join(new_pieces), list(new_tokens), c.finish_reason,
+                                         c.cumulative_logprob))  # fmt: skip
+            new_pieces.clear()
+            new_tokens.clear()
+            c.reported = c.finish_reason is not None
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs, self._reason(state), delta,
+                             state.num_cached_tokens)  # fmt: skip
+
+    def _final_output(self, state: RequestState) -> RequestOutput:
+        outs = []
+        for i in sorted(state.completions):
+            c = state.completions[i]
+            text = c.detokenizer.text if c.detokenizer is not None else self.decode(c.token_ids)
+            outs.append(CompletionOutput(i, text, c.token_ids, c.finish_reason, c.cumulative_logprob))
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs,
+                             self._reason(state) or "abort", "", state.num_cached_tokens)  # fmt: skip
+
+    def _finish_beams(self, state: RequestState, o: EngineCoreOutput) -> None:
+        """A finished beam search: its best sequences as completions, best first."""
+        state.completions = {}
+        for i, (tokens, cum, reason) in enumerate(o.beams):
+            c = state.completions[i] = Completion(i, None)
+            c.token_ids, c.finish_reason, c.cumulative_logprob = list(tokens), reason, cum
+        state.num_seqs = state.num_finished = len(o.beams)
+
+    def decode(self, token_ids: list[int]) -> str:
+        """The whole text at once, as the streaming detokenizer would have made it (EOS makes no text)."""
+        table, eos = self.token_bytes, self.eos_token_id
+        data = b"".join(table[t] if t < len(table) else b"" for t in token_ids if t != eos)
+        return codecs.decode(data, "utf-8", errors="replace")
+
+    @staticmethod
+    def _reason(state: RequestState) -> str | None:
+        """The request's finish reason (its first completion's), once every completion has finished."""
+        return state.completions[0].finish_reason if state.finished else None

@@ -1,0 +1,1 @@
+"""Entry points: the ways in. `LLM` (offline), `AsyncLLMEngine` and the OpenAI-compatible server, the CLI."""

@@ -1,0 +1,158 @@
+"""GPT-2, written out in one page (in the spirit of nanoGPT).
+
+    tokens ──► wte + wpe ──► [ Block ] × n_layer ──► ln_f ──► lm_head (= wteᵀ) ──► logits
+
+    Block:  x = x + attn(ln_1(x))      pre-LayerNorm, causal self-attention
+            x = x + mlp(ln_2(x))       Linear ─ gelu_new ─ Linear
+
+Parameter names follow Hugging Face's checkpoint (`transformer.h.0.attn.c_attn.weight`),
+so loading is a rename-free copy (see `roseinfer/model_executor/loader.py`). HF stores its linear layers
+as `Conv1D` with weight `[in, out]`; we use `nn.Linear` (`[out, in]`), so the loader
+transposes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from roseinfer.attention import AttentionMetadata
+from roseinfer.model_executor.activations import get_activation
+from roseinfer.model_executor.parallel_layers import ColumnParallelLinear, RowParallelLinear
+
+KV = tuple[torch.Tensor, torch.Tensor]  # one layer's (K pool, V pool), each [num_blocks, block_size, H, D]
+
+
+@dataclass
+class GPT2Config:
+    vocab_size: int = 50257
+    n_positions: int = 1024  # the context length
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    layer_norm_epsilon: float = 1e-5
+    eos_token_id: int | None = 50256  # None: never stop at EOS
+    n_inner: int | None = None  # the MLP's width; None = 4 * n_embd
+    activation_function: str = "gelu_new"  # a name from roseinfer/model_executor/activations.py
+    scale_attn_weights: bool = True  # scale q·kᵀ by 1/√head_dim
+    scale_attn_by_inverse_layer_idx: bool = False  # ... and by 1/(layer index + 1)
+    tie_word_embeddings: bool = True  # lm_head = wteᵀ; False: a separate lm_head.weight
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> GPT2Config:
+        """Build from a Hugging Face `config.json` dict; roseinfer/model_executor/hf_config.py checks every field
+        that changes the math and refuses what we do not implement."""
+        from roseinfer.model_executor.hf_config import config_kwargs_from_hf
+
+        return cls(**config_kwargs_from_hf(hf))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPT2Config, layer_idx: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.n_head, self.head_dim = cfg.n_head // tp_size, cfg.head_dim  # this rank's heads
+        self.width = self.n_head * self.head_dim  # n_embd / tp_size: q, k and v of this rank's heads
+        # softmax(q·kᵀ · scale) v: scale is 1/√D in GPT-2; two config switches change it (as in transformers)
+        self.scale = self.head_dim**-0.5 if cfg.scale_attn_weights else 1.0
+        if cfg.scale_attn_by_inverse_layer_idx:
+            self.scale /= float(layer_idx + 1)
+        self.c_attn = ColumnParallelLinear(cfg.n_embd, 3 * cfg.n_embd, tp_size)  # q, k, v in one matmul
+        self.c_proj = RowParallelLinear(cfg.n_embd, cfg.n_embd, tp_size)  # + an all-reduce when tp_size > 1
+
+    def forward(self, x: torch.Tensor, kv_cache: KV | None = None, meta: AttentionMetadata | None = None):
+        """Two shapes in, the same shape out.
+
+        dense  x [B, T, C], no cache: plain causal attention over the T tokens (the naive loop).
+        paged  x [N, C]: one step's new tokens of every request, flattened. Their K/V are first
+               written into their slots of this layer's pool (`meta.slot_mapping`); then each
+               request's queries attend to its whole context, read through its block table: what
+               earlier steps wrote plus what this step just wrote.
+        """
+        if kv_cache is None:
+            B, T, _ = x.shape
+            q, k, v = self.c_attn(x).split(self.width, dim=2)  # 3 × [B, T, C]
+            q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+            # softmax(q kᵀ · scale) v, where token t may only look at tokens ≤ t
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)  # [B, H, T, D]
+            return self.c_proj(y.transpose(1, 2).reshape(B, T, self.width))  # merge heads back: [B, T, C]
+        N = x.shape[0]
+        q, k, v = (t.view(N, self.n_head, self.head_dim) for t in self.c_attn(x).split(self.width, dim=1))  # [N, H, D]
+        meta.backend.write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        y = meta.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [N, H, D]
+        return self.c_proj(y.reshape(N, self.width))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPT2Config, tp_size: int = 1):
+        super().__init__()
+        inner = cfg.n_inner or 4 * cfg.n_embd
+        self.c_fc = ColumnParallelLinear(cfg.n_embd, inner, tp_size)  # inner / tp_size features on this rank
+        self.c_proj = RowParallelLinear(inner, cfg.n_embd, tp_size)  # + an all-reduce when tp_size > 1
+        self.act = get_activation(cfg.activation_function)  # gelu_new: GELU with the tanh approximation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.act(self.c_fc(x)))  # [B, T, C] -> [B, T, inner] -> [B, T, C]
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPT2Config, layer_idx: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.attn = CausalSelfAttention(cfg, layer_idx, tp_size)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.mlp = MLP(cfg, tp_size)
+
+    def forward(self, x: torch.Tensor, kv_cache: KV | None = None, meta: AttentionMetadata | None = None):
+        x = x + self.attn(self.ln_1(x), kv_cache, meta)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2(nn.Module):
+    def __init__(self, cfg: GPT2Config, tp_size: int = 1):
+        """`tp_size` > 1: this process holds one rank's shard of every block (parallel_layers.py);
+        embeddings, LayerNorms and the LM head stay whole on every rank."""
+        super().__init__()
+        self.config, self.tp_size = cfg, tp_size
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),  # token embeddings
+                wpe=nn.Embedding(cfg.n_positions, cfg.n_embd),  # learned position embeddings
+                h=nn.ModuleList(Block(cfg, i, tp_size) for i in range(cfg.n_layer)),
+                ln_f=nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon),
+            )
+        )
+        # the LM head: wteᵀ when tied (GPT-2), else its own [V, C] weight (tie_word_embeddings=false)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, V], positions 0..T-1, no cache (the naive loop, tests)."""
+        B, T = input_ids.shape
+        tr = self.transformer
+        x = tr.wte(input_ids) + tr.wpe(torch.arange(T, device=input_ids.device))  # [B, T, C]
+        for block in tr.h:
+            x = block(x)
+        return self.compute_logits(tr.ln_f(x))
+
+    def forward_paged(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KV], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """One engine step: input_ids [N] and positions [N] of every request's new tokens, flattened
+        (see `roseinfer/worker/model_runner.py`) -> hidden states [N, C]. The K/V land in `kv_caches`, one
+        (K, V) pool per layer. Only the rows that need a next token go on to `compute_logits`."""
+        tr = self.transformer
+        x = tr.wte(input_ids) + tr.wpe(positions)  # [N, C]
+        for block, kv_cache in zip(tr.h, kv_caches, strict=True):
+            x = block(x, kv_cache, meta)
+        return tr.ln_f(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [..., C] -> logits [..., V], through the LM head."""
+        head = self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight  # [V, C]
+        return F.linear(hidden, head)

@@ -1,0 +1,1 @@
+"""The worker: the model runner, its persistent input batch, the KV cache tensors, tensor-parallel ranks."""

@@ -1,0 +1,67 @@
+"""The paged KV cache: one preallocated pool of blocks, for every layer.
+
+Layout, per layer:   K, V : [num_blocks, block_size, n_head, head_dim]
+
+    physical block 0 │ slot 0 │ slot 1 │ … │ slot bs-1 │   each slot holds one token's
+    physical block 1 │ slot 0 │ slot 1 │ … │ slot bs-1 │   K (or V) for all heads: [H, D]
+    …
+
+A token's slot number is `block_id * block_size + offset`, so a flat view of the pool
+`[num_blocks * block_size, H, D]` is indexed by slot directly. One block id covers all
+layers: the block manager hands out ids, every layer's pool uses the same ones.
+
+The model runner owns these tensors; nobody else holds them. A second pool of the same layout lives in
+host memory (`host=True`), for sequences that are swapped out, and `swap_blocks` copies whole blocks
+between the two.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from roseinfer.model_executor.gpt2 import KV, GPT2Config
+
+
+def bytes_per_block(config: GPT2Config, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """K and V, all layers, `block_size` tokens: 2 · n_layer · block_size · n_embd · itemsize (on one rank of
+    `tp_size`, which holds n_head / tp_size of the heads: 1 / tp_size of that)."""
+    return 2 * config.n_layer * block_size * config.n_embd * dtype.itemsize // tp_size
+
+
+class KVCache:
+    def __init__(
+        self,
+        config: GPT2Config,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        host: bool = False,
+        tp_size: int = 1,
+    ):
+        """`tp_size`: this rank's pool holds only its n_head / tp_size heads.
+        `host=True`: the swap pool, in CPU memory, pinned when the device is a GPU (so that copies
+        to and from it can be asynchronous), and left uninitialised: a swap-out writes every block before
+        it is read, and untouched pages of a large swap space cost no memory."""
+        shape = (num_blocks, block_size, config.n_head // tp_size, config.head_dim)
+
+        def new() -> torch.Tensor:
+            if host:
+                return torch.empty(shape, dtype=dtype, pin_memory=torch.device(device).type == "cuda")
+            # zeros, not empty: the reference attention masks unused slots, but NaN garbage is a bad default
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.layers: list[KV] = [(new(), new()) for _ in range(config.n_layer)]
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.nbytes = num_blocks * bytes_per_block(config, block_size, dtype, tp_size)
+
+
+def swap_blocks(src: list[KV], dst: list[KV], block_mapping: list[tuple[int, int]]) -> None:
+    """Copy whole blocks from one pool to the other, in every layer: block s of `src` to block d of
+    `dst` for each (s, d). Device -> host swaps out, host -> device swaps in. A block is one contiguous
+    [block_size, H, D] slab, so each pair is one copy per layer and per K/V; from or to pinned memory
+    they are asynchronous on CUDA (ordered on the stream before the forward that reads them)."""
+    for (src_k, src_v), (dst_k, dst_v) in zip(src, dst, strict=True):
+        for s, d in block_mapping:
+            dst_k[d].copy_(src_k[s], non_blocking=True)
+            dst_v[d].copy_(src_v[s], non_blocking=True)
