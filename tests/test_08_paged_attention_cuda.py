@@ -245,7 +245,7 @@ def test_end_to_end_greedy_decode_through_the_triton_backend(tmp_path):
 def test_backend_choice():
     from roseinfer.attention import get_backend
 
-    assert get_backend("auto", "cpu").name == "sdpa"  # stage 09: the fast CPU path is the default there
+    assert get_backend("auto", "cpu").name == "cpu"  # stage 17: sdpa with an in-place decode kernel
     assert get_backend("torch", "cpu").name == "torch"
     assert get_backend("sdpa", "cpu").name == "sdpa"
     with pytest.raises(ValueError, match="unknown attention_backend"):

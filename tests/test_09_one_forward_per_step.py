@@ -268,11 +268,11 @@ def test_backends_agree_end_to_end_with_chunked_prefill(tmp_path):
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     prompts = [[5, 6, 7], list(range(10, 31)), [9] * 12]
     outs = {}
-    for backend in ("torch", "sdpa", "triton"):
+    for backend in ("torch", "sdpa", "cpu", "triton"):
         eng = LLMEngine(model_dir, device="cpu", dtype="float32", block_size=8, num_blocks=16,
                         attention_backend=backend, max_num_batched_tokens=6)  # fmt: skip
         outs[backend] = {o.request_id: o.token_ids for o in eng.stream(prompts, params) if o.finished}
-    assert outs["torch"] == outs["sdpa"] == outs["triton"]
+    assert outs["torch"] == outs["sdpa"] == outs["cpu"] == outs["triton"]
 
 
 def test_chunked_prefill_example_shows_chunks_and_decodes():

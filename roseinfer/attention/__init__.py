@@ -18,14 +18,17 @@ A backend provides three operations, and may prepare per-step work that every la
     prepare(meta, block_size) -> plan                              once per step, before the forward
 
     torch   `reference.py`: one request at a time, gather + masked softmax in fp32. The oracle.
-    sdpa    `sdpa.py`: a flat KV write, block gathers + PyTorch's fused SDPA. The fast path on CPU.
+    sdpa    `sdpa.py`: a flat KV write, block gathers + PyTorch's fused SDPA.
+    cpu     sdpa, but decode rows through `cpu_paged.py`'s C++ kernel, which reads the blocks in place (no
+            gathers). The fast path on a CPU; it is compiled the first time it is used.
     triton  `triton_kernels.py` (decode) + `triton_prefill.py` (prefill chunks) + `triton_copy.py`
             (copy_blocks). CUDA, or CPU under TRITON_INTERPRET=1. torch and sdpa copy blocks with the reference.
-    auto    triton on CUDA, sdpa on CPU.
+    auto    triton on CUDA; on a CPU, cpu where its kernel builds, else sdpa.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,15 +75,24 @@ write_kv, paged_attention = write_kv_reference, paged_attention_reference  # the
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
-    """'auto' | 'torch' | 'sdpa' | 'triton' for a device: 'auto' is triton on CUDA (when triton imports), sdpa on
-    a CPU; a backend that cannot run there is a clear error."""
+    """'auto' | 'torch' | 'sdpa' | 'cpu' | 'triton' for a device: 'auto' is triton on CUDA (when triton imports),
+    cpu on a CPU (when its kernel builds, else sdpa); a backend that cannot run there is a clear error."""
     device = torch.device(device)
     if name == "auto":
-        return "triton" if device.type == "cuda" and _triton_importable() else "sdpa"
+        if device.type == "cuda":
+            return "triton" if _triton_importable() else "sdpa"
+        return "cpu" if _cpu_kernel() is not None else "sdpa"
     if name in ("torch", "sdpa"):
         return name
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend='cpu' runs on a CPU, not on {device}; use 'auto'")
+        if _cpu_kernel() is None:
+            raise ValueError("attention_backend='cpu' needs its C++ kernel, which could not be built here (a C++ "
+                             "compiler and ninja are needed); use 'sdpa'")  # fmt: skip
+        return name
     if name != "triton":
-        raise ValueError(f"unknown attention_backend {name!r}; use 'auto', 'torch', 'sdpa' or 'triton'")
+        raise ValueError(f"unknown attention_backend {name!r}; use 'auto', 'torch', 'sdpa', 'cpu' or 'triton'")
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             "attention_backend='triton' needs a CUDA GPU; on CPU, Triton kernels only run in its "
@@ -96,6 +108,11 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend:
     name = resolve_backend_name(name, device)
     if name in ("torch", "sdpa"):
         return TORCH_BACKEND if name == "torch" else SDPA_BACKEND
+    if name == "cpu":
+        from roseinfer.attention.cpu_paged import paged_decode_cpu
+
+        forward_cpu = functools.partial(attention_sdpa, decode_kernel=paged_decode_cpu)
+        return AttentionBackend("cpu", write_kv_flat, forward_cpu, plan_sdpa)
     from roseinfer.attention import triton_copy as tc
     from roseinfer.attention import triton_kernels as tk
     from roseinfer.attention import triton_prefill as tp
@@ -105,6 +122,12 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend:
                                    meta.num_decodes, meta.max_query_len, scale)  # fmt: skip
 
     return AttentionBackend("triton", tk.write_kv_triton, forward, copy_blocks=tc.copy_blocks_triton)
+
+
+def _cpu_kernel():
+    from roseinfer.attention.cpu_paged import load_kernel
+
+    return load_kernel()
 
 
 def _triton_importable() -> bool:

@@ -24,6 +24,7 @@ garbage; this path relies on that invariant instead of paying for it every step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -242,13 +243,18 @@ def attention_sdpa(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    decode_kernel: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:  # [N, H, D]
-    """A mixed batch: the decodes in a few calls (runs of similar length), then each prefill chunk on its own."""
+    """A mixed batch: the decodes in a few calls (runs of similar length), then each prefill chunk on its own.
+    With `decode_kernel` (the cpu backend: `cpu_paged.paged_decode_cpu`), the decodes go to that kernel in one
+    call, which reads the blocks where they lie, unless they share a prefix long enough for cascade attention."""
     plan = meta.plan if isinstance(meta.plan, SdpaPlan) else plan_sdpa(meta, k_cache.shape[1])
     out = torch.empty_like(q)
+    d = meta.num_decodes
     if plan.prefix_blocks is not None:  # many decodes share a cached prefix
-        d = plan.decode_runs[-1].b
         out[:d] = attend_cascade(q[:d], k_cache, v_cache, plan, scale, meta.gather_buffer)
+    elif decode_kernel is not None and d:
+        out[:d] = decode_kernel(q[:d], k_cache, v_cache, meta.block_tables[:d], meta.seq_lens[:d], scale)
     else:
         for run in plan.decode_runs:
             out[run.a : run.b] = _attend_run(q[run.a : run.b], k_cache, v_cache, run, scale, meta.gather_buffer)

@@ -32,8 +32,8 @@ class LLM:
         256 MiB) / `gpu_memory_utilization` (CUDA) size the KV pool; `max_num_seqs` caps how many sequences run
         together and `max_num_batched_tokens` how many tokens one step computes (default 2048), with long
         prompts cut into chunks if `enable_chunked_prefill`; with `enable_prefix_caching` prompts that start
-        alike share the K/V blocks of that start. `attention_backend`: 'auto' (triton on CUDA, sdpa on CPU),
-        'torch', 'sdpa' or 'triton'. Preemption when the pool runs out: `preemption_mode` None (recompute a
+        alike share the K/V blocks of that start. `attention_backend`: 'auto' (triton on CUDA, cpu on a CPU),
+        'torch', 'sdpa', 'cpu' or 'triton'. Preemption when the pool runs out: `preemption_mode` None (recompute a
         request with one sequence, swap one with several), 'recompute' or 'swap', into a host pool of
         `swap_space` GiB; admission keeps a `watermark` fraction of the pool free. `speculative_config` (vLLM's
         keys) turns on speculative decoding: {"method": "ngram" | "draft_model", "num_speculative_tokens": k,

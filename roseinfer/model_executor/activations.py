@@ -17,15 +17,15 @@ import torch.nn.functional as F
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
-_gelu_tanh: Activation = lambda x: F.gelu(x, approximate="tanh")  # 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))
+gelu_tanh: Activation = lambda x: F.gelu(x, approximate="tanh")  # 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))
 
 ACTIVATIONS: dict[str, Activation] = {
     # GELU, tanh approximation: GPT-2's own, under five names
-    "gelu_new": _gelu_tanh,
-    "gelu_pytorch_tanh": _gelu_tanh,
-    "gelu_python_tanh": _gelu_tanh,
-    "gelu_fast": _gelu_tanh,
-    "gelu_accurate": _gelu_tanh,
+    "gelu_new": gelu_tanh,
+    "gelu_pytorch_tanh": gelu_tanh,
+    "gelu_python_tanh": gelu_tanh,
+    "gelu_fast": gelu_tanh,
+    "gelu_accurate": gelu_tanh,
     # exact GELU: x·Φ(x), with the erf
     "gelu": F.gelu,
     "gelu_python": F.gelu,

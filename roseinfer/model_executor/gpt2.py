@@ -20,7 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from roseinfer.attention import AttentionMetadata
-from roseinfer.model_executor.activations import get_activation
+from roseinfer.model_executor.activations import gelu_tanh, get_activation
+from roseinfer.model_executor.onednn_linear import pack_linear_layers, pack_weight, packed_linear
 from roseinfer.model_executor.parallel_layers import ColumnParallelLinear, RowParallelLinear
 
 KV = tuple[torch.Tensor, torch.Tensor]  # one layer's (K pool, V pool), each [num_blocks, block_size, H, D]
@@ -98,6 +99,9 @@ class MLP(nn.Module):
         self.act = get_activation(cfg.activation_function)  # gelu_new: GELU with the tanh approximation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.c_fc.packed is not None and self.act is gelu_tanh:
+            # oneDNN: c_fc and GELU in one call (the activation as the GEMM's post-op)
+            return self.c_proj(packed_linear(x, self.c_fc.packed, self.c_fc.bias, gelu_tanh=True))
         return self.c_proj(self.act(self.c_fc(x)))  # [B, T, C] -> [B, T, inner] -> [B, T, C]
 
 
@@ -130,6 +134,13 @@ class GPT2(nn.Module):
         )
         # the LM head: wteᵀ when tied (GPT-2), else its own [V, C] weight (tie_word_embeddings=false)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.head_packed: torch.Tensor | None = None  # the LM head reordered for oneDNN (pack_for_onednn)
+
+    def pack_for_onednn(self) -> None:
+        """Reorder every linear layer's weight and the LM head's once for oneDNN (onednn_linear.py); the
+        layers use the packed copies from then on. Call it after the weights are loaded and moved."""
+        pack_linear_layers(self.transformer)
+        self.head_packed = pack_weight(self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V], positions 0..T-1, no cache (the naive loop, tests)."""
@@ -154,5 +165,7 @@ class GPT2(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [..., C] -> logits [..., V], through the LM head."""
+        if self.head_packed is not None:
+            return packed_linear(hidden, self.head_packed, None)
         head = self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight  # [V, C]
         return F.linear(hidden, head)

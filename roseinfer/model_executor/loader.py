@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from roseinfer.model_executor.gpt2 import GPT2, GPT2Config
+from roseinfer.model_executor.onednn_linear import resolve_linear_backend
 from roseinfer.model_executor.parallel_layers import shard_state_dict
 
 DEFAULT_MODEL = str(Path(__file__).parent.parent / "models" / "tiny-shakespeare")
@@ -78,9 +79,11 @@ def read_model_config(model_dir: Path) -> GPT2Config:
 
 
 def load_model(model_dir: Path, cfg: GPT2Config, device: torch.device, dtype: torch.dtype, tp_rank: int = 0,
-               tp_size: int = 1) -> GPT2:  # fmt: skip
+               tp_size: int = 1, linear_backend: str = "auto") -> GPT2:  # fmt: skip
     """The model in eval mode on `device` in `dtype`. With `tp_size` > 1, only rank `tp_rank`'s shard of the
-    weights (see roseinfer/model_executor/parallel_layers.py)."""
+    weights (see roseinfer/model_executor/parallel_layers.py). `linear_backend` 'auto' or 'onednn' on a CPU:
+    the linear layers' weights are also reordered for oneDNN (roseinfer/model_executor/onednn_linear.py)."""
+    linear_backend = resolve_linear_backend(linear_backend, device, dtype)
     sd = load_state_dict(model_dir)
     ours = {}
     for name, w in sd.items():
@@ -100,4 +103,7 @@ def load_model(model_dir: Path, cfg: GPT2Config, device: torch.device, dtype: to
         raise ValueError(
             f"checkpoint in {str(model_dir)!r} does not fit GPT-2: missing={missing} unexpected={unexpected}"
         )
-    return net.to(device=device, dtype=dtype).eval()
+    net = net.to(device=device, dtype=dtype).eval()
+    if linear_backend == "onednn":
+        net.pack_for_onednn()
+    return net

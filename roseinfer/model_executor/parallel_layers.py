@@ -26,17 +26,28 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from roseinfer.model_executor.onednn_linear import packed_linear
+
 
 class ColumnParallelLinear(nn.Linear):
     """This rank's out_features / tp_size outputs of an [out, in] layer; no communication."""
 
+    packed: torch.Tensor | None = None  # the weight reordered for oneDNN (onednn_linear.py), on a CPU
+
     def __init__(self, in_features: int, out_features: int, tp_size: int = 1):
         super().__init__(in_features, out_features // tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
+        return super().forward(x)
 
 
 class RowParallelLinear(nn.Linear):
     """This rank's in_features / tp_size inputs of an [out, in] layer; the partial outputs of all ranks are
     summed by an all-reduce, and the bias (the same on every rank) is added once, after the sum."""
+
+    packed: torch.Tensor | None = None  # the weight reordered for oneDNN (onednn_linear.py), on a CPU
 
     def __init__(self, in_features: int, out_features: int, tp_size: int = 1):
         super().__init__(in_features // tp_size, out_features)
@@ -44,8 +55,9 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return super().forward(x)
-        y = F.linear(x, self.weight)  # [N, out]: this rank's share of the sum
+            return super().forward(x) if self.packed is None else packed_linear(x, self.packed, self.bias)
+        # [N, out]: this rank's share of the sum
+        y = F.linear(x, self.weight) if self.packed is None else packed_linear(x, self.packed, None)
         all_reduce(y)  # every rank now holds Σ over ranks: the whole layer's output
         return y + self.bias
 

@@ -50,7 +50,7 @@ class DraftModelProposer:
             raise ValueError(f"the draft model's context ({cfg.n_positions}) is shorter than the target's "
                              f"({target.n_positions})")  # fmt: skip
         self.k = spec.num_speculative_tokens
-        self.model = load_model(draft_dir, cfg, runner.device, mc.dtype)
+        self.model = load_model(draft_dir, cfg, runner.device, mc.dtype, linear_backend=mc.linear_backend)
         self.kv_cache = KVCache(cfg, runner.kv_cache.num_blocks, runner.block_size, mc.dtype, runner.device)
         self.gather_buffer = GatherBuffer()
         self.computed: dict[str, int] = {}  # request id -> tokens whose draft K/V are valid

@@ -59,7 +59,9 @@ class ModelRunner:
         self.device = device or mc.device
         self.tp_rank, self.tp_size = tp_rank, config.parallel_config.tensor_parallel_size
         self.is_driver = tp_rank == 0
-        self.model = load_model(mc.model_dir, mc.hf_config, self.device, mc.dtype, tp_rank, self.tp_size)
+        self.model = load_model(
+            mc.model_dir, mc.hf_config, self.device, mc.dtype, tp_rank, self.tp_size, mc.linear_backend
+        )
         self.backend = get_backend(mc.attention_backend, self.device)
         self.block_size = cc.block_size
         if cc.num_gpu_blocks is None:  # CUDA: what is left of the card's share once the weights are in

@@ -1,0 +1,137 @@
+"""Decode attention that reads the paged KV cache in place, on a CPU: a small C++ kernel.
+
+The sdpa backend (`sdpa.py`) copies every decode row's blocks into one contiguous buffer per layer
+(`index_select`) and only then calls PyTorch's SDPA on it, so the K/V of every context are read, written and
+read again. Decode attention does almost no arithmetic (one query row per sequence): its cost is the bytes
+it moves, and the copy doubles them. This kernel walks each row's block table instead:
+
+    for each sequence b, in parallel over torch's threads:
+        for t in 0 .. seq_len[b] - 1:     slot = block_tables[b, t // block_size] * block_size + t % block_size
+            s[h, t] = (q[b, h] · k_cache[slot, h]) · scale   for every head h     K row [H, D]: one read
+        p[h] = softmax(s[h])                                                     (max subtracted first)
+        out[b, h] = Σ_t p[h, t] · v_cache[slot, h]                               V row [H, D]: one read
+
+Every K and V vector is read once, from where the pool holds it; nothing is copied or padded. It is
+PyTorch's C++ extension API, built once with the machine's compiler the first time it is used
+(`torch.utils.cpp_extension.load_inline`, cached under ~/.cache/torch_extensions), `-march=native` so the
+loops over the head dimension use the CPU's vector units. Prefill chunks still go through SDPA
+(`sdpa.py`): many queries per request make them GEMM-shaped, which its flash kernel does well.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+template <typename scalar_t, typename index_t>
+static void decode(const scalar_t* q, const scalar_t* k, const scalar_t* v, const index_t* tables,
+                   const index_t* lens, scalar_t* out, int64_t B, int64_t H, int64_t D, int64_t block_size,
+                   int64_t max_blocks, float scale, int64_t max_len) {
+  // one sequence at a time per thread, all its heads together: each token's K (and V) row, [H, D], is one
+  // contiguous read of H * D elements
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(H * std::max<int64_t>(max_len, 1)), acc(H * D), qf(H * D), m(H), sum(H);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n = lens[b];
+      const index_t* table = tables + b * max_blocks;
+      for (int64_t j = 0; j < H * D; ++j) qf[j] = static_cast<float>(q[b * H * D + j]) * scale;
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      for (int64_t t = 0; t < n; ++t) {  // s[h, t] = q[h] · k[t, h]
+        const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+        const scalar_t* kp = k + slot * H * D;
+        for (int64_t h = 0; h < H; ++h) {
+          const float* qh = qf.data() + h * D;
+          const scalar_t* kh = kp + h * D;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < D; ++d) dot += qh[d] * static_cast<float>(kh[d]);
+          s[h * max_len + t] = dot;
+          m[h] = std::max(m[h], dot);
+        }
+      }
+      for (int64_t h = 0; h < H; ++h) {  // p[h, t] = exp(s - max) (normalised at the end)
+        float total = 0.f;
+        float* sh = s.data() + h * max_len;
+        for (int64_t t = 0; t < n; ++t) {
+          sh[t] = std::exp(sh[t] - m[h]);
+          total += sh[t];
+        }
+        sum[h] = total;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < n; ++t) {  // acc[h] += p[h, t] · v[t, h]
+        const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+        const scalar_t* vp = v + slot * H * D;
+        for (int64_t h = 0; h < H; ++h) {
+          const float p = s[h * max_len + t];
+          float* ah = acc.data() + h * D;
+          const scalar_t* vh = vp + h * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ah[d] += p * static_cast<float>(vh[d]);
+        }
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        const float inv = 1.f / sum[h];
+        for (int64_t d = 0; d < D; ++d) out[(b * H + h) * D + d] = static_cast<scalar_t>(acc[h * D + d] * inv);
+      }
+    }
+  });
+}
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                           torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.is_contiguous() && k_cache.is_contiguous() &&
+              v_cache.is_contiguous() && block_tables.is_contiguous() && seq_lens.is_contiguous());
+  TORCH_CHECK(block_tables.scalar_type() == seq_lens.scalar_type());
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t max_len = B ? seq_lens.max().item<int64_t>() : 0;  // each thread's scratch: H x max_len scores
+  TORCH_CHECK(B == 0 || seq_lens.min().item<int64_t>() >= 1, "every sequence attends to at least one token");
+  auto out = torch::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16, q.scalar_type(), "decode", [&] {
+    AT_DISPATCH_INDEX_TYPES(block_tables.scalar_type(), "decode_index", [&] {
+      decode<scalar_t, index_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                                block_tables.data_ptr<index_t>(), seq_lens.data_ptr<index_t>(),
+                                out.data_ptr<scalar_t>(), B, H, D, k_cache.size(1), block_tables.size(1),
+                                static_cast<float>(scale), max_len);
+    });
+  });
+  return out;
+}
+"""
+
+
+@functools.cache
+def load_kernel():
+    """Build (first time) and load the C++ kernel; None, with a warning, where it cannot be built."""
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        return load_inline(name="roseinfer_cpu_paged_decode", cpp_sources=_SOURCE, functions=["paged_decode"],
+                           extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False)  # fmt: skip
+    except Exception as e:  # no compiler, no ninja, headers missing ...
+        warnings.warn(f"the CPU paged-attention kernel could not be built ({type(e).__name__}: {e}); decode "
+                      f"attention on the CPU falls back to block gathers + SDPA", stacklevel=2)  # fmt: skip
+        return None
+
+
+def paged_decode_cpu(
+    q: torch.Tensor,  # [B, H, D] one query per sequence
+    k_cache: torch.Tensor,  # [num_blocks, block_size, H, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, H, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32 (or int64), row b = sequence b's blocks
+    seq_lens: torch.Tensor,  # [B] the same dtype, tokens each sequence attends to (≥ 1)
+    scale: float,
+) -> torch.Tensor:  # [B, H, D]
+    """Decode attention for a batch, read through the block tables (the signature of the reference's)."""
+    with torch.profiler.record_function("roseinfer::paged_decode_cpu"):  # named in torch.profiler's tables
+        return load_kernel().paged_decode(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale)

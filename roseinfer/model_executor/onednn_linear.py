@@ -1,0 +1,69 @@
+"""Linear layers at this CPU's limit: weights reordered once, at load time, for oneDNN.
+
+On a CPU, `F.linear(x, W, b)` goes to MKL's sgemm, which reads W in its plain [out, in] layout and
+repacks panels of it into the order its AVX-512 kernel wants, on every call. Decoding calls every
+linear layer once per step with only a few dozen rows of x, so that repacking is paid again and again
+for little arithmetic. oneDNN can do the reorder once, ahead of time:
+
+    load time:  W [out, in]  ── torch.ops.mkldnn._reorder_linear_weight ──►  W' (oneDNN's blocked layout)
+    each step:  x [N, in]    ── torch.ops.mkldnn._linear_pointwise(x, W', b) ──►  [N, out]
+
+W' is an opaque `torch._mkldnn` tensor that only oneDNN's linear can read; the plain W stays in the
+model (tensor-parallel sharding, state dicts and the `aten` path read it), so the weights of every
+linear layer are held twice. `_linear_pointwise` can also apply an activation on the way out (a
+"post-op"): GPT-2's MLP runs c_fc and its tanh-GELU in one call.
+
+Chapter 17 measures the choice on this CPU at the step's shapes (scripts/roofline.py): the packed
+path reaches the GEMM peak already at 32 rows, where sgemm is well short of it, and the LM head
+([N, 768] × [768, 50257], the step's biggest GEMM) gets the most out of it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+LINEAR_BACKENDS = ("auto", "onednn", "aten")
+
+
+def onednn_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """oneDNN's packed linear runs on a CPU, in fp32 or bf16, when torch was built with it."""
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+
+
+def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """'auto' -> 'onednn' where it runs (a CPU, fp32 or bf16), else 'aten' (F.linear: cuBLAS, or MKL on a CPU)."""
+    if not isinstance(name, str):
+        raise TypeError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {name!r}")
+    if name not in LINEAR_BACKENDS:
+        raise ValueError(f"unknown linear_backend {name!r}; use one of {LINEAR_BACKENDS}")
+    ok = onednn_supported(device, dtype)
+    if name == "onednn" and not ok:
+        raise ValueError(f"linear_backend='onednn' runs on a CPU in float32 or bfloat16, not on {device} in {dtype}; "
+                         "use 'auto' or 'aten'")  # fmt: skip
+    if name == "auto":
+        return "onednn" if ok else "aten"
+    return name
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> the same matrix reordered into oneDNN's blocked layout (done once; an opaque tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, gelu_tanh: bool = False):
+    """x [..., in] -> x Wᵀ + b [..., out] through the packed W; `gelu_tanh` also applies GELU (tanh form)."""
+    if gelu_tanh:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "gelu", [], "tanh")
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def pack_linear_layers(model: nn.Module) -> int:
+    """Give every `nn.Linear` in `model` a `packed` copy of its weight (layers read it in forward);
+    returns how many were packed."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.packed = pack_weight(m.weight)
+            n += 1
+    return n
