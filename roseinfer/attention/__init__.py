@@ -112,7 +112,7 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend:
         from roseinfer.attention.cpu_paged import paged_decode_cpu
 
         forward_cpu = functools.partial(attention_sdpa, decode_kernel=paged_decode_cpu)
-        return AttentionBackend("cpu", write_kv_flat, forward_cpu, plan_sdpa)
+        return AttentionBackend("cpu", write_kv_flat, forward_cpu, functools.partial(plan_sdpa, gather_decodes=False))
     from roseinfer.attention import triton_copy as tc
     from roseinfer.attention import triton_kernels as tk
     from roseinfer.attention import triton_prefill as tp

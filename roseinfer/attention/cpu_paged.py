@@ -94,13 +94,17 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
               v_cache.is_contiguous() && block_tables.is_contiguous() && seq_lens.is_contiguous());
   TORCH_CHECK(block_tables.scalar_type() == seq_lens.scalar_type());
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t max_len = B ? seq_lens.max().item<int64_t>() : 0;  // each thread's scratch: H x max_len scores
-  TORCH_CHECK(B == 0 || seq_lens.min().item<int64_t>() >= 1, "every sequence attends to at least one token");
   auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16, q.scalar_type(), "decode", [&] {
     AT_DISPATCH_INDEX_TYPES(block_tables.scalar_type(), "decode_index", [&] {
+      const index_t* lens = seq_lens.data_ptr<index_t>();
+      int64_t max_len = 0;  // each thread's scratch holds H x max_len scores
+      for (int64_t b = 0; b < B; ++b) {
+        TORCH_CHECK(lens[b] >= 1, "every sequence attends to at least one token");
+        max_len = std::max<int64_t>(max_len, lens[b]);
+      }
       decode<scalar_t, index_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                                block_tables.data_ptr<index_t>(), seq_lens.data_ptr<index_t>(),
+                                block_tables.data_ptr<index_t>(), lens,
                                 out.data_ptr<scalar_t>(), B, H, D, k_cache.size(1), block_tables.size(1),
                                 static_cast<float>(scale), max_len);
     });

@@ -115,15 +115,18 @@ def common_prefix_blocks(block_tables: torch.Tensor, seq_lens: list[int], block_
     return int(same.int().cumprod(dim=0).sum())
 
 
-def plan_sdpa(meta: AttentionMetadata, block_size: int) -> SdpaPlan:
-    """The decode runs with their block ids and masks, and each prefill chunk's blocks and causal mask."""
+def plan_sdpa(meta: AttentionMetadata, block_size: int, gather_decodes: bool = True) -> SdpaPlan:
+    """The decode runs with their block ids and masks, and each prefill chunk's blocks and causal mask.
+    `gather_decodes=False` (the cpu backend, whose kernel reads decode rows in place): decode runs only for
+    cascade attention, when the rows share a prefix."""
     dev = meta.block_tables.device
     starts, lens, d = meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.num_decodes
     cascade = d >= CASCADE_MIN_ROWS and dev.type == "cpu"  # (the CPU flash kernel returns the log-sum-exp)
     k = common_prefix_blocks(meta.block_tables[:d], lens[:d], block_size) if cascade else 0
     k = k if k >= CASCADE_MIN_BLOCKS else 0
-    runs = []  # over what each row has after the shared prefix (all of it when k = 0)
-    for a, b, width in decode_runs([n - k * block_size for n in lens[:d]] if k else lens[:d], block_size):
+    own = [n - k * block_size for n in lens[:d]] if k else lens[:d]  # what each row has after the shared prefix
+    runs = []
+    for a, b, width in decode_runs(own, block_size) if gather_decodes or k else []:
         pos = torch.arange(width * block_size, device=dev)
         real = pos[None, :] < meta.seq_lens[a:b, None] - k * block_size  # [rows, L]
         blocks = meta.block_tables[a:b, k : k + width].reshape(-1).long()
@@ -248,7 +251,7 @@ def attention_sdpa(
     """A mixed batch: the decodes in a few calls (runs of similar length), then each prefill chunk on its own.
     With `decode_kernel` (the cpu backend: `cpu_paged.paged_decode_cpu`), the decodes go to that kernel in one
     call, which reads the blocks where they lie, unless they share a prefix long enough for cascade attention."""
-    plan = meta.plan if isinstance(meta.plan, SdpaPlan) else plan_sdpa(meta, k_cache.shape[1])
+    plan = meta.plan if isinstance(meta.plan, SdpaPlan) else plan_sdpa(meta, k_cache.shape[1], decode_kernel is None)
     out = torch.empty_like(q)
     d = meta.num_decodes
     if plan.prefix_blocks is not None:  # many decodes share a cached prefix
