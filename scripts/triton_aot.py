@@ -18,6 +18,8 @@ per byte or two it reads, so memory bandwidth, not arithmetic, bounds it (the de
 The kernels are listed once, in KERNELS: one entry per kernel with the arguments of a real launch
 at a given model shape. A new kernel in a file of MODULES (roseinfer/attention/triton_kernels.py,
 triton_prefill.py, triton_copy.py) gets an entry there; tests/test_08_triton_aot.py fails until it has one.
+SHAPES are multi-head models; GQA_SHAPES grouped-query ones (fewer K/V heads than query heads), compiled
+as well and reported apart (the JSON's `gqa_shapes` and `gqa_results`; `--gqa-only` compiles just those).
 
 Run it without TRITON_INTERPRET: under the interpreter Triton builds no compilable kernels.
 """
@@ -67,16 +69,33 @@ class Shape:
     dtype: str = "fp16"  # the GPU default
     batch: int = 64  # sequences in the decode step
     splits: int = 4  # S for the split-K kernels
+    n_kv_head: int = 0  # Hkv, the K/V heads (grouped-query attention); 0 = n_head (multi-head attention)
 
     @property
     def max_blocks(self) -> int:  # width of the block table
         return math.ceil(self.n_ctx / self.block_size)
+
+    @property
+    def kv_heads(self) -> int:  # Hkv: the heads of the KV pool
+        return self.n_kv_head or self.n_head
+
+    @property
+    def group(self) -> int:  # G = H // Hkv: query heads per K/V head
+        return self.n_head // self.kv_heads
+
+    @property
+    def qkv_width(self) -> int:  # elements per token of the fused QKV projection: q, k and v are views into it
+        return (self.n_head + 2 * self.kv_heads) * self.head_dim
 
 
 SHAPES = [
     Shape("tiny-shakespeare", n_head=4, head_dim=64, n_ctx=512, n_layer=4),  # the bundled model
     Shape("gpt2", n_head=12, head_dim=64, n_ctx=1024, n_layer=12),  # GPT-2 small
     Shape("gpt2-medium", n_head=16, head_dim=64, n_ctx=1024, n_layer=24),
+]
+GQA_SHAPES = [  # grouped-query attention: G = n_head // n_kv_head query heads read each K/V head
+    Shape("smollm2-135m", n_head=9, n_kv_head=3, head_dim=64, n_ctx=8192, n_layer=30),  # G = 3, Hkv not a power of 2
+    Shape("qwen2.5-0.5b", n_head=14, n_kv_head=2, head_dim=64, n_ctx=32768, n_layer=24),  # G = 7
 ]
 
 
@@ -88,6 +107,11 @@ def ptr(dtype: str) -> tuple[str, None]:
 
 def i32(value: int) -> tuple[str, int]:
     return ("i32", value)
+
+
+def int_arg(value: int) -> tuple[str, int]:
+    """A runtime int as a launch passes it: Triton specializes an int equal to 1 into a constant (G = 1, MHA)."""
+    return const(1) if value == 1 else i32(value)
 
 
 def f32() -> tuple[str, None]:
@@ -105,22 +129,21 @@ class Kernel:
     bytes_read: Callable[[Shape], int]  # what one launch must read from memory, at least
 
 
-def _kv_bytes(s: Shape) -> int:  # K and V of every sequence's whole context, read once
-    return 2 * s.batch * s.n_ctx * s.n_head * s.head_dim * DTYPE_BYTES[s.dtype]
+def _kv_bytes(s: Shape) -> int:  # K and V of every sequence's whole context, read once (Hkv heads)
+    return 2 * s.batch * s.n_ctx * s.kv_heads * s.head_dim * DTYPE_BYTES[s.dtype]
 
 
 def _decode_args(s: Shape) -> dict[str, tuple[str, int | None]]:  # q, cache, table arguments
-    H, D = s.n_head, s.head_dim
     return dict(
         q_ptr=ptr(s.dtype), k_cache_ptr=ptr(s.dtype), v_cache_ptr=ptr(s.dtype),
-        block_tables_ptr=ptr("i32"), context_lens_ptr=ptr("i32"), scale=f32(),
-        stride_qb=i32(3 * H * D), stride_qh=i32(D),  # q is a view into the fused c_attn output
+        block_tables_ptr=ptr("i32"), context_lens_ptr=ptr("i32"), scale=f32(), num_queries_per_kv=int_arg(s.group),
+        stride_qb=i32(s.qkv_width), stride_qh=i32(s.head_dim),  # q is a view into the fused c_attn output
     )  # fmt: skip
 
 
 def _cache_strides(s: Shape) -> dict[str, tuple[str, int]]:
-    H, D, BS = s.n_head, s.head_dim, s.block_size
-    return dict(stride_cache_block=i32(BS * H * D), stride_cache_slot=i32(H * D), stride_cache_head=i32(D))
+    Hkv, D, BS = s.kv_heads, s.head_dim, s.block_size
+    return dict(stride_cache_block=i32(BS * Hkv * D), stride_cache_slot=i32(Hkv * D), stride_cache_head=i32(D))
 
 
 def _q_and_tables_bytes(s: Shape) -> int:
@@ -132,14 +155,15 @@ PREFILL_PROMPTS, PREFILL_BLOCK_M = 4, 64  # a prefill launch: 4 whole prompts of
 
 def _prefill_bytes(s: Shape) -> int:  # q and out of every prompt token, and K/V of every context read once
     tokens = PREFILL_PROMPTS * s.n_ctx
-    return 4 * tokens * s.n_head * s.head_dim * DTYPE_BYTES[s.dtype] + PREFILL_PROMPTS * (s.max_blocks + 2) * 4
+    heads = 2 * s.n_head + 2 * s.kv_heads  # q and out: H heads; K and V: Hkv
+    return tokens * heads * s.head_dim * DTYPE_BYTES[s.dtype] + PREFILL_PROMPTS * (s.max_blocks + 2) * 4
 
 
 COPY_PAIRS = 64  # a copy_blocks launch: 64 (src, dst) pairs, e.g. 64 forked sequences writing into shared blocks
 
 
 def _block_numel(s: Shape) -> int:  # elements of one block of one pool
-    return s.block_size * s.n_head * s.head_dim
+    return s.block_size * s.kv_heads * s.head_dim
 
 
 KERNELS: dict[str, Kernel] = {
@@ -151,18 +175,18 @@ KERNELS: dict[str, Kernel] = {
             k_cache_ptr=ptr(s.dtype),
             v_cache_ptr=ptr(s.dtype),
             slot_mapping_ptr=ptr("i64"),
-            stride_kn=i32(3 * s.n_head * s.head_dim),  # K and V are views into c_attn's fused output
+            stride_kn=i32(s.qkv_width),  # K and V are views into c_attn's fused output
             stride_kh=i32(s.head_dim),
-            stride_vn=i32(3 * s.n_head * s.head_dim),
+            stride_vn=i32(s.qkv_width),
             stride_vh=i32(s.head_dim),
             **_cache_strides(s),
-            num_heads=i32(s.n_head),
+            num_heads=int_arg(s.kv_heads),  # the pool's heads
             BLOCK_SIZE=const(s.block_size),
             HEAD_DIM=const(s.head_dim),
-            HEADS_POW2=const(triton.next_power_of_2(s.n_head)),
+            HEADS_POW2=const(triton.next_power_of_2(s.kv_heads)),
         ),
         grid=lambda s: (s.batch,),
-        bytes_read=lambda s: 2 * s.batch * s.n_head * s.head_dim * DTYPE_BYTES[s.dtype] + s.batch * 8,
+        bytes_read=lambda s: 2 * s.batch * s.kv_heads * s.head_dim * DTYPE_BYTES[s.dtype] + s.batch * 8,
     ),
     # decode attention, one program per (sequence, head)
     "_paged_attention_kernel": Kernel(
@@ -221,7 +245,8 @@ KERNELS: dict[str, Kernel] = {
             query_start_loc_ptr=ptr("i32"),
             seq_lens_ptr=ptr("i32"),
             scale=f32(),
-            stride_qn=i32(3 * s.n_head * s.head_dim),  # q is a view into the fused c_attn output
+            num_queries_per_kv=int_arg(s.group),
+            stride_qn=i32(s.qkv_width),  # q is a view into the fused c_attn output
             stride_qh=i32(s.head_dim),
             stride_on=i32(s.n_head * s.head_dim),
             stride_oh=i32(s.head_dim),
@@ -370,17 +395,27 @@ def main() -> int:
     ap.add_argument("--json", type=Path, help="write the per-kernel numbers here")
     ap.add_argument("--ptx", type=Path, help="write each kernel's PTX into this folder")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two)")
+    ap.add_argument("--gqa-only", action="store_true", help="compile the grouped-query shapes only (no table)")
     args = ap.parse_args()
     shapes = [dataclasses.replace(s, block_size=args.block_size) for s in SHAPES]
+    gqa_shapes = [dataclasses.replace(s, block_size=args.block_size) for s in GQA_SHAPES]
 
     missing = launched_kernels() - set(KERNELS)
     if missing:
         print(f"kernels without an entry in KERNELS: {sorted(missing)}")
         return 1
+    gqa_results = compile_all(gqa_shapes, args.ptx)
+    if args.gqa_only:
+        for r in gqa_results:
+            print(f"{r.kernel:<30} {r.shape:<17} {r.target}  regs {r.registers:>3}  spill {r.local_bytes}")
+        if args.json:
+            report = {"gqa_shapes": [s.name for s in gqa_shapes], "gqa_results": [r.__dict__ for r in gqa_results]}
+            args.json.write_text(json.dumps(report, indent=1))
+        return 0
     results = compile_all(shapes, args.ptx)
-    by_key = {(r.kernel, r.shape, r.target): r for r in results}
+    by_key = {(r.kernel, r.shape, r.target): r for r in [*results, *gqa_results]}
 
-    print(f"Triton {triton.__version__}, no GPU: {len(results)} compiles to PTX and cubin for "
+    print(f"Triton {triton.__version__}, no GPU: {len(results) + len(gqa_results)} compiles to PTX and cubin for "
           f"{' and '.join(TARGETS)}; fp16, block_size {args.block_size}, num_warps {results[0].num_warps}")  # fmt: skip
     print("regs = registers per thread, spill = local memory per thread in bytes, smem = shared memory per program;")
     print("each launch: a decode step of 64 sequences at the model's full context (write: their 64 new tokens),")
@@ -391,7 +426,7 @@ def main() -> int:
     print(f"\n{'':<49}{'sm_80 / sm_90':^25}".rstrip())
     print(f"{head} {'MB':>7} {'µs H100':>8} {'µs A100':>8}")
     for k in KERNELS:
-        for s in shapes:
+        for s in [*shapes, *gqa_shapes]:
             a, b = by_key[(k, s.name, "sm_80")], by_key[(k, s.name, "sm_90")]
             two = [f"{getattr(a, f)}/{getattr(b, f)}" if getattr(a, f) != getattr(b, f) else str(getattr(a, f))
                    for f in ("registers", "local_bytes", "shared_bytes")]  # fmt: skip
@@ -412,7 +447,8 @@ def main() -> int:
         print(row)
     if args.json:
         report = {"launched": sorted(launched_kernels()), "targets": list(TARGETS), "shapes": [s.name for s in shapes]}
-        args.json.write_text(json.dumps({**report, "results": [r.__dict__ for r in results]}, indent=1))
+        gqa = {"gqa_shapes": [s.name for s in gqa_shapes], "gqa_results": [r.__dict__ for r in gqa_results]}
+        args.json.write_text(json.dumps({**report, "results": [r.__dict__ for r in results], **gqa}, indent=1))
     return 0
 
 

@@ -142,3 +142,47 @@ def make_random_checkpoint(
 @pytest.fixture(scope="session")
 def random_model_dir(tmp_path_factory) -> Path:
     return make_random_checkpoint(tmp_path_factory.mktemp("random-gpt2"))
+
+
+LLAMA_FAMILY = {  # config.json's architecture -> transformers' (config class, model class) names
+    "LlamaForCausalLM": ("LlamaConfig", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("MistralConfig", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+
+def make_llama_checkpoint(path: Path, arch: str = "LlamaForCausalLM", seed: int = 0, weight_scale: float = 4.0,
+                          save_dtype: torch.dtype = torch.float32, max_shard_size: str | None = None,
+                          tokenizer: bool = True, **overrides):  # fmt: skip
+    """Save a small random model of a Llama-family `arch` in HF format to `path` and return the transformers
+    model (fp32). The matrices are scaled by `weight_scale` so that logits are peaky (greedy ties are rare).
+    `save_dtype` bf16/fp16: the checkpoint's weights in that dtype (the returned model holds the same rounded
+    values in fp32). `max_shard_size`: a sharded checkpoint with model.safetensors.index.json. `tokenizer`: a
+    placeholder tokenizer.tiktoken (the 256 bytes, then distinct strings; id vocab_size - 1 is <|endoftext|>)."""
+    import base64
+
+    import transformers
+
+    config_cls, model_cls = (getattr(transformers, n) for n in LLAMA_FAMILY[arch])
+    kw = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, bos_token_id=0, eos_token_id=383)  # fmt: skip
+    if arch == "MistralForCausalLM":
+        kw["sliding_window"] = None
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kw)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(weight_scale)
+            p.copy_(p.to(save_dtype).float())  # the values the checkpoint will hold
+    path.mkdir(parents=True, exist_ok=True)
+    model.to(save_dtype).save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    model.float()
+    if tokenizer:
+        vocab = kw["vocab_size"]
+        toks = [bytes([b]) for b in range(256)] + [b"<%d>" % i for i in range(256, vocab - 1)]
+        lines = [f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(toks)]
+        (path / "tokenizer.tiktoken").write_text("".join(lines))
+    return model

@@ -212,7 +212,7 @@ def test_bad_tensor_parallel_sizes_are_clear_errors(tmp_path):
         with pytest.raises(err, match=msg):
             LLM(device="cpu", tensor_parallel_size=bad)
     three_heads = make_random_checkpoint(tmp_path / "h3", n_head=3, n_embd=48)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 must divide the model's n_head=3"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 must divide the model's num_attention_heads=3"):
         LLM(three_heads, device="cpu", tensor_parallel_size=2)
     assert not dist.is_initialized()
 

@@ -170,7 +170,7 @@ REFUSED = [
     ({"layer_norm_epsilon": 0}, "layer_norm_epsilon"),
     ({"layer_norm_epsilon": float("nan")}, "layer_norm_epsilon"),
     ({"scale_attn_weights": "yes"}, "scale_attn_weights"),
-    ({"eos_token_id": [4095, 4094]}, "eos_token_id"),
+    ({"eos_token_id": [4095, -1]}, "eos_token_id"),  # a list of ids is fine (stage 18), a negative id is not
     ({"tie_word_embeddings": False}, "lm_head.weight"),  # untied, but the checkpoint has no head of its own
     ({"n_layer": 3}, "missing"),
 ]
@@ -329,8 +329,6 @@ def test_tiktoken_file_comes_first(tmp_path):
 
 
 BAD_TOKENIZERS = [
-    ("tokenizer.json", {"normalizer": {"type": "NFC"}}, "normalizer"),
-    ("tokenizer.json", {"pre_tokenizer.add_prefix_space": True}, "add_prefix_space"),
     ("tokenizer.json", {"model.type": "WordPiece"}, "model.type"),
     (
         "tokenizer.json",
@@ -342,7 +340,7 @@ BAD_TOKENIZERS = [
                 "special_tokens": {},
             }
         },
-        "post_processor",
+        "cannot load it",  # a malformed post_processor: the tokenizers library's own error, with the file's path
     ),  # fmt: skip
     ("tokenizer_config.json", {"add_bos_token": True}, "add_bos_token"),
     ("tokenizer_config.json", {"add_prefix_space": True}, "add_prefix_space"),
@@ -356,6 +354,23 @@ def test_tokenizer_that_would_give_other_ids_is_refused(tmp_path, name, changes,
     _edit_json(model_dir / name, **changes)
     with pytest.raises(ValueError, match=match):
         LLM(model_dir, device="cpu")
+
+
+@pytest.mark.parametrize("changes", [{"normalizer": {"type": "NFC"}}, {"pre_tokenizer.add_prefix_space": True}])
+def test_a_tokenizer_json_tiktoken_cannot_run_goes_through_the_tokenizers_library(tmp_path, changes):
+    """Since stage 18 a tokenizer.json that is not GPT-2's plain pipeline is read by the `tokenizers` library
+    (roseinfer/tokenizer/fast_tokenizer.py) instead of being refused, and runs as the file says. (transformers 5's
+    GPT2TokenizerFast rebuilds GPT-2's pipeline from its own code and so would ignore these two edits.)"""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from roseinfer.tokenizer import FastTokenizer
+
+    model_dir = make_checkpoint_dir(tmp_path / "m", "gpt2", TJ)
+    _edit_json(model_dir / "tokenizer.json", **changes)
+    with LLM(model_dir, device="cpu") as llm:
+        assert isinstance(llm.tokenizer, FastTokenizer)
+        text = "Café, naïve: the  e\u0301 test"
+        assert llm.tokenizer.encode(text) == HFTokenizer.from_file(str(model_dir / "tokenizer.json")).encode(text).ids
 
 
 def test_vocab_ids_out_of_merge_order_are_refused(tmp_path):
@@ -442,6 +457,6 @@ def test_hub_download_asks_for_tokenizer_files_and_one_weights_file(tmp_path, mo
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     model_dir = resolve_model_dir("gpt2")
-    assert {"config.json", "vocab.json", "merges.txt", "tokenizer.json", "model.safetensors"} <= set(calls[0])
+    assert {"config.json", "vocab.json", "merges.txt", "tokenizer.json", "model*.safetensors*"} <= set(calls[0])
     assert "pytorch_model.bin" not in calls[0] and calls[1:] == [["pytorch_model.bin"]]
     assert model_dir == snap and _load(model_dir).config.n_embd == SMALL["n_embd"]  # the downloaded weights load

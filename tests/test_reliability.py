@@ -117,6 +117,8 @@ BAD_ENGINE_ARGS = [  # (argument, bad value, error); the message must name the a
     ("max_num_batched_tokens", 0, ValueError), ("max_num_batched_tokens", -1, ValueError),
     ("max_num_batched_tokens", 1.5, TypeError), ("max_num_batched_tokens", True, TypeError),
     ("max_num_batched_tokens", "64", TypeError),
+    ("max_model_len", 0, ValueError), ("max_model_len", 10**6, ValueError), ("max_model_len", 1.5, TypeError),
+    ("max_model_len", "64", TypeError),
     ("enable_chunked_prefill", "yes", TypeError), ("enable_chunked_prefill", 1, TypeError),
     ("enable_chunked_prefill", None, TypeError),
     ("enable_prefix_caching", "yes", TypeError), ("enable_prefix_caching", 1, TypeError),

@@ -10,6 +10,13 @@ decodes first (one token each), then prefill chunks (several tokens each). The m
     seq_lens         [B] int32        tokens request b attends to after this step (earlier + new)
     block_tables     [B, max_blocks]  int32, row b = request b's physical blocks in logical order
 
+The tensors of one layer (grouped-query attention: Hkv K/V heads, H % Hkv == 0, G = H // Hkv query heads
+share one K/V head, query head h reads K/V head h // G; Hkv == H is MHA, Hkv == 1 MQA):
+
+    q, out              [N, H, D]                          the new tokens' queries, the attention output
+    key, value          [N, Hkv, D]                        the new tokens' K/V
+    k_cache, v_cache    [num_blocks, block_size, Hkv, D]   the pools; each backend reads Hkv from them
+
 A backend provides three operations, and may prepare per-step work that every layer reuses:
     write_kv(key, value, k_cache, v_cache, slot_mapping)           scatter new K/V into the pool
     forward(q, key, value, k_cache, v_cache, meta, scale) -> out   attention for the whole batch

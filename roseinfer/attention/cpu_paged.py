@@ -7,15 +7,21 @@ it moves, and the copy doubles them. This kernel walks each row's block table in
 
     for each sequence b, in parallel over torch's threads:
         for t in 0 .. seq_len[b] - 1:     slot = block_tables[b, t // block_size] * block_size + t % block_size
-            s[h, t] = (q[b, h] · k_cache[slot, h]) · scale   for every head h     K row [H, D]: one read
+            for every K/V head j:                                                K row [Hkv, D]: one read
+                s[h, t] = (q[b, h] · k_cache[slot, j]) · scale   for the G heads h = j * G .. j * G + G - 1
         p[h] = softmax(s[h])                                                     (max subtracted first)
-        out[b, h] = Σ_t p[h, t] · v_cache[slot, h]                               V row [H, D]: one read
+        out[b, h] = Σ_t p[h, t] · v_cache[slot, h // G]                          V row [Hkv, D]: one read
 
 Every K and V vector is read once, from where the pool holds it; nothing is copied or padded. It is
 PyTorch's C++ extension API, built once with the machine's compiler the first time it is used
 (`torch.utils.cpp_extension.load_inline`, cached under ~/.cache/torch_extensions), `-march=native` so the
 loops over the head dimension use the CPU's vector units. Prefill chunks still go through SDPA
 (`sdpa.py`): many queries per request make them GEMM-shaped, which its flash kernel does well.
+
+Grouped-query attention (Hkv = H / G K/V heads, query head h reads K/V head h // G): the G query heads of
+a group come one after the other, the first reads the K/V vector from memory, the others from the core's
+L1 cache. So a GQA model's decode attention moves G times fewer bytes than MHA with as many query heads.
+G = 1 is MHA: the same loops, the same results to the bit.
 """
 
 from __future__ import annotations
@@ -35,10 +41,11 @@ _SOURCE = r"""
 
 template <typename scalar_t, typename index_t>
 static void decode(const scalar_t* q, const scalar_t* k, const scalar_t* v, const index_t* tables,
-                   const index_t* lens, scalar_t* out, int64_t B, int64_t H, int64_t D, int64_t block_size,
-                   int64_t max_blocks, float scale, int64_t max_len) {
-  // one sequence at a time per thread, all its heads together: each token's K (and V) row, [H, D], is one
-  // contiguous read of H * D elements
+                   const index_t* lens, scalar_t* out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                   int64_t block_size, int64_t max_blocks, float scale, int64_t max_len) {
+  const int64_t G = H / Hkv;  // query heads per K/V head: query head h = j * G + g reads K/V head j
+  // one sequence at a time per thread, all its heads together: each token's K (and V) row, [Hkv, D], is one
+  // contiguous read of Hkv * D elements, each K/V head's D of them used by the G query heads of its group
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(H * std::max<int64_t>(max_len, 1)), acc(H * D), qf(H * D), m(H), sum(H);
     for (int64_t b = begin; b < end; ++b) {
@@ -46,17 +53,19 @@ static void decode(const scalar_t* q, const scalar_t* k, const scalar_t* v, cons
       const index_t* table = tables + b * max_blocks;
       for (int64_t j = 0; j < H * D; ++j) qf[j] = static_cast<float>(q[b * H * D + j]) * scale;
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      for (int64_t t = 0; t < n; ++t) {  // s[h, t] = q[h] · k[t, h]
+      for (int64_t t = 0; t < n; ++t) {  // s[h, t] = q[h] · k[t, h / G]
         const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-        const scalar_t* kp = k + slot * H * D;
-        for (int64_t h = 0; h < H; ++h) {
-          const float* qh = qf.data() + h * D;
-          const scalar_t* kh = kp + h * D;
-          float dot = 0.f;
+        const scalar_t* kp = k + slot * Hkv * D;
+        for (int64_t j = 0; j < Hkv; ++j) {
+          const scalar_t* kj = kp + j * D;  // K/V head j of token t: from memory for its first query head,
+          for (int64_t h = j * G; h < (j + 1) * G; ++h) {  // from the L1 cache for the G - 1 others
+            const float* qh = qf.data() + h * D;
+            float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qh[d] * static_cast<float>(kh[d]);
-          s[h * max_len + t] = dot;
-          m[h] = std::max(m[h], dot);
+            for (int64_t d = 0; d < D; ++d) dot += qh[d] * static_cast<float>(kj[d]);
+            s[h * max_len + t] = dot;
+            m[h] = std::max(m[h], dot);
+          }
         }
       }
       for (int64_t h = 0; h < H; ++h) {  // p[h, t] = exp(s - max) (normalised at the end)
@@ -69,15 +78,17 @@ static void decode(const scalar_t* q, const scalar_t* k, const scalar_t* v, cons
         sum[h] = total;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < n; ++t) {  // acc[h] += p[h, t] · v[t, h]
+      for (int64_t t = 0; t < n; ++t) {  // acc[h] += p[h, t] · v[t, h / G]
         const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-        const scalar_t* vp = v + slot * H * D;
-        for (int64_t h = 0; h < H; ++h) {
-          const float p = s[h * max_len + t];
-          float* ah = acc.data() + h * D;
-          const scalar_t* vh = vp + h * D;
+        const scalar_t* vp = v + slot * Hkv * D;
+        for (int64_t j = 0; j < Hkv; ++j) {
+          const scalar_t* vj = vp + j * D;
+          for (int64_t h = j * G; h < (j + 1) * G; ++h) {
+            const float p = s[h * max_len + t];
+            float* ah = acc.data() + h * D;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ah[d] += p * static_cast<float>(vh[d]);
+            for (int64_t d = 0; d < D; ++d) ah[d] += p * static_cast<float>(vj[d]);
+          }
         }
       }
       for (int64_t h = 0; h < H; ++h) {
@@ -93,7 +104,11 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.is_contiguous() && k_cache.is_contiguous() &&
               v_cache.is_contiguous() && block_tables.is_contiguous() && seq_lens.is_contiguous());
   TORCH_CHECK(block_tables.scalar_type() == seq_lens.scalar_type());
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
+              v_cache.sizes() == k_cache.sizes(), "q, k_cache and v_cache must share one dtype, the pools one shape");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && Hkv >= 1 && H % Hkv == 0,
+              "q [B, H, D] needs pools [num_blocks, block_size, Hkv, D] with H % Hkv == 0");
   auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16, q.scalar_type(), "decode", [&] {
     AT_DISPATCH_INDEX_TYPES(block_tables.scalar_type(), "decode_index", [&] {
@@ -105,7 +120,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
       }
       decode<scalar_t, index_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                                 block_tables.data_ptr<index_t>(), lens,
-                                out.data_ptr<scalar_t>(), B, H, D, k_cache.size(1), block_tables.size(1),
+                                out.data_ptr<scalar_t>(), B, H, Hkv, D, k_cache.size(1), block_tables.size(1),
                                 static_cast<float>(scale), max_len);
     });
   });
@@ -130,8 +145,8 @@ def load_kernel():
 
 def paged_decode_cpu(
     q: torch.Tensor,  # [B, H, D] one query per sequence
-    k_cache: torch.Tensor,  # [num_blocks, block_size, H, D]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], H % Hkv == 0
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     block_tables: torch.Tensor,  # [B, max_blocks] int32 (or int64), row b = sequence b's blocks
     seq_lens: torch.Tensor,  # [B] the same dtype, tokens each sequence attends to (≥ 1)
     scale: float,

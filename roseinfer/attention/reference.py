@@ -2,11 +2,17 @@
 
 The KV cache of one layer is a pool of fixed-size blocks shared by every sequence:
 
-    k_cache, v_cache: [num_blocks, block_size, H, D]
+    k_cache, v_cache: [num_blocks, block_size, Hkv, D]
 
 A token's K/V vectors live in one *slot* of the pool, `slot = block_id * block_size + offset`.
 A sequence owns a list of blocks (its row of `block_tables`); logical token `t` of sequence `b`
 lives in physical block `block_tables[b, t // block_size]` at offset `t % block_size`.
+
+Grouped-query attention (GQA): the pools may hold fewer heads than the queries have, Hkv <= H with
+H % Hkv == 0. G = H // Hkv query heads share one K/V head: query head h reads K/V head h // G (Hugging
+Face's `repeat_kv`). Hkv == H is plain multi-head attention (MHA), Hkv == 1 multi-query attention (MQA).
+The reference gathers the Hkv heads and repeats each G times (`repeat_interleave`), so that from there on
+it is MHA; the faster backends get the same result without that copy.
 """
 
 from __future__ import annotations
@@ -15,11 +21,19 @@ import torch
 import torch.nn.functional as F
 
 
+def kv_groups(num_heads: int, k_cache: torch.Tensor) -> int:
+    """G = H // Hkv, the query heads per K/V head, with Hkv read from the pool [num_blocks, block_size, Hkv, D]."""
+    num_kv_heads = k_cache.shape[-2]
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} K/V heads: H % Hkv must be 0")
+    return num_heads // num_kv_heads
+
+
 def write_kv_reference(
-    key: torch.Tensor,  # [N, H, D] K of the N new tokens
-    value: torch.Tensor,  # [N, H, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, H, D], written in place
-    v_cache: torch.Tensor,  # [num_blocks, block_size, H, D], written in place
+    key: torch.Tensor,  # [N, Hkv, D] K of the N new tokens
+    value: torch.Tensor,  # [N, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], written in place
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], written in place
     slot_mapping: torch.Tensor,  # [N] int, physical slot of each token; < 0 means "padding, skip"
 ) -> None:
     """Scatter the new tokens' K/V into their slots of the pool (vLLM's `reshape_and_cache`)."""
@@ -28,14 +42,14 @@ def write_kv_reference(
     # Boolean indexing keeps only the real tokens (on CUDA it costs one host sync: fine for a reference).
     slots = slot_mapping[valid].long()  # [n] with n <= N
     blocks, offsets = slots // block_size, slots % block_size  # [n], [n]
-    k_cache[blocks, offsets] = key[valid].to(k_cache.dtype)  # each token writes one [H, D] slice
+    k_cache[blocks, offsets] = key[valid].to(k_cache.dtype)  # each token writes one [Hkv, D] slice
     v_cache[blocks, offsets] = value[valid].to(v_cache.dtype)
 
 
 def paged_attention_reference(
     q: torch.Tensor,  # [B, H, D] one query token per sequence (decode)
-    k_cache: torch.Tensor,  # [num_blocks, block_size, H, D]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     block_tables: torch.Tensor,  # [B, max_blocks] int, physical block of each logical block
     context_lens: torch.Tensor,  # [B] int, tokens each sequence attends to (>= 1, the new one included)
     scale: float,  # usually 1 / sqrt(D)
@@ -43,13 +57,15 @@ def paged_attention_reference(
     """Decode attention over a paged KV cache, for the whole batch at once (no loop over sequences).
 
     1. Gather: `k_cache[block_tables]` copies each sequence's blocks, in logical order, into a
-       dense [B, max_blocks * block_size, H, D] tensor (padded to the longest block table).
+       dense [B, max_blocks * block_size, Hkv, D] tensor (padded to the longest block table), then
+       each K/V head is repeated G times, so that query head h meets K/V head h // G (GQA).
     2. Mask: positions >= context_len hold stale data from earlier owners (in tests even NaN),
        so they are excluded from the softmax, and zeroed first (NaN + -inf and 0 * NaN are NaN).
     3. Attention in fp32 with `scaled_dot_product_attention`, cast back to q's dtype.
     """
     B, H, D = q.shape
-    block_size = k_cache.shape[1]
+    block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
+    G = kv_groups(H, k_cache)
     max_blocks = block_tables.shape[1]
     lens = context_lens.long()  # [B]
 
@@ -59,8 +75,9 @@ def paged_attention_reference(
     tables = torch.where(used, block_tables.long(), 0)  # [B, max_blocks]
 
     L = max_blocks * block_size  # padded context length
-    k = k_cache[tables].reshape(B, L, H, D).transpose(1, 2).float()  # [B, max_blocks, block_size, H, D] -> [B, H, L, D]
-    v = v_cache[tables].reshape(B, L, H, D).transpose(1, 2).float()  # [B, H, L, D]
+    k = k_cache[tables].reshape(B, L, Hkv, D).transpose(1, 2).float()  # [B, max_blocks, bs, Hkv, D] -> [B, Hkv, L, D]
+    v = v_cache[tables].reshape(B, L, Hkv, D).transpose(1, 2).float()  # [B, Hkv, L, D]
+    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # [B, H, L, D]: heads 0,0,1,1,.. for G = 2
     valid = torch.arange(L, device=q.device)[None, :] < lens[:, None]  # [B, L] True for real tokens
     k, v = (torch.where(valid[:, None, :, None], t, 0.0) for t in (k, v))  # [B, H, L, D]: no NaN in masked slots
     mask = valid[:, None, None, :]  # [B, 1, 1, L]: one query per sequence, attending to its own tokens
@@ -70,8 +87,8 @@ def paged_attention_reference(
 
 def attention_reference(
     q: torch.Tensor,  # [N, H, D] the new tokens' queries, request after request
-    k_cache: torch.Tensor,  # [num_blocks, block_size, H, D], the new tokens' K already written
-    v_cache: torch.Tensor,  # [num_blocks, block_size, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], the new tokens' K already written
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     block_tables: torch.Tensor,  # [B, max_blocks] int, physical block of each logical block
     query_start_loc: torch.Tensor,  # [B + 1] int, request b's queries: q[query_start_loc[b] : query_start_loc[b + 1]]
     seq_lens: torch.Tensor,  # [B] int, tokens in each request's context after this step (earlier + new)
@@ -84,7 +101,8 @@ def attention_reference(
     A decode is q_len = 1; a first prefill chunk is q_len = seq_len; a later chunk has context before it.
     """
     N, H, D = q.shape
-    block_size = k_cache.shape[1]
+    block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
+    G = kv_groups(H, k_cache)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     out = torch.empty_like(q)
     for b, seq_len in enumerate(lens):
@@ -92,8 +110,9 @@ def attention_reference(
         T = q_b.shape[0]
         pos = torch.arange(seq_len, device=q.device)  # [L] every position of the context
         slots = block_tables[b, pos // block_size].long() * block_size + pos % block_size  # [L]
-        k = k_cache.reshape(-1, H, D)[slots].float()  # [L, H, D], only this request's real tokens
-        v = v_cache.reshape(-1, H, D)[slots].float()
+        k = k_cache.reshape(-1, Hkv, D)[slots].float()  # [L, Hkv, D], only this request's real tokens
+        v = v_cache.reshape(-1, Hkv, D)[slots].float()
+        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # [L, H, D]: head h reads K/V head h // G
         q_pos = torch.arange(seq_len - T, seq_len, device=q.device)  # [T] positions of the queries
         causal = pos[None, :] <= q_pos[:, None]  # [T, L]
         scores = torch.einsum("thd,lhd->htl", q_b, k) * scale  # [H, T, L]
@@ -103,7 +122,7 @@ def attention_reference(
 
 
 def copy_blocks_reference(
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # one (K, V) per layer, each [num_blocks, block_size, H, D]
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # one (K, V) per layer, each [num_blocks, block_size, Hkv, D]
     block_mapping: torch.Tensor,  # [P, 2] int64: copy physical block src -> dst, in every layer's K and V
 ) -> None:
     """Copy whole blocks inside the pools, in every layer (vLLM's `copy_blocks`): the copy of copy-on-write.
@@ -123,7 +142,7 @@ def copy_blocks_reference(
     mapping = block_mapping.to(kv_caches[0][0].device, torch.long)  # [P, 2]
     src, dst = mapping[:, 0], mapping[:, 1]  # [P], [P]
     for k_cache, v_cache in kv_caches:
-        # `k_cache[src]` gathers a [P, block_size, H, D] copy of every src block, then one scatter writes them all.
+        # `k_cache[src]` gathers a [P, block_size, Hkv, D] copy of every src block, then one scatter writes them all.
         k_cache[dst] = k_cache[src]
         v_cache[dst] = v_cache[src]
 
@@ -138,7 +157,9 @@ def check_copy_blocks_args(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], b
         raise ValueError("copy_blocks: kv_caches is empty; expected one (k_cache, v_cache) pool pair per layer")
     k0 = kv_caches[0][0]
     if k0.dim() != 4:
-        raise ValueError(f"copy_blocks: pools must be [num_blocks, block_size, H, D], got {tuple(k0.shape)}")
+        raise ValueError(
+            f"copy_blocks: pools must be [num_blocks, block_size, H, D] (H = Hkv, the K/V heads), got {tuple(k0.shape)}"
+        )
     for layer, (k_cache, v_cache) in enumerate(kv_caches):
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
             if (t.shape, t.dtype, t.device) != (k0.shape, k0.dtype, k0.device):

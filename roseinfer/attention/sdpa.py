@@ -5,17 +5,32 @@ copies: every layer of every step gathers each sequence token by token, upcasts 
 with full-size `torch.where` passes, and its KV write splits slots into (block, offset) pairs for a
 two-index scatter. This path does the same math with as few copies as possible:
 
-  KV write                                   one index_copy_ into the pool's flat [slots, H, D] view
+  KV write                                   one index_copy_ into the pool's flat [slots, Hkv, D] view
 
   decodes (one query each), a few runs of similar length at once:
-      k_cache.index_select(0, block ids)     one copy per *block* (16 slots of [H, D] in a row),
-      -> [B, max_blocks * block_size, H, D]  in logical order, viewed as [B, H, L, D] (no copy)
+      k_cache.index_select(0, block ids)     one copy per *block* (16 slots of [Hkv, D] in a row),
+      -> [B, max_blocks * block_size, Hkv, D] in logical order, viewed as [B, Hkv, L, D] (no copy)
       SDPA with a boolean mask [B, 1, 1, L]  positions >= seq_len switched off inside the kernel
   decodes that all start with the same cached blocks (prefix caching): cascade attention,
       the shared prefix read once for all rows, each run's own tokens after it, merged by log-sum-exp
   prefill chunks, one request at a time:
       a first chunk (no context yet)         attends to its own fresh K/V: SDPA is_causal, no gather
       a later chunk                          gathers its blocks once, SDPA with an offset causal mask
+
+Grouped-query attention (Hkv < H K/V heads, G = H // Hkv query heads per K/V head, query head h reads
+K/V head h // G): SDPA wants as many K/V heads as query heads, and repeating K/V G times would copy
+them. Instead, the G query heads of a group become G query *rows* of one K/V head:
+
+    q [B, H, D] -> [B, Hkv, G, D]          a view: heads h = kv * G + g, so G "queries" per K/V head
+    K, V [B, Hkv, L, D]                    as gathered, no copy
+    out [B, Hkv, G, D] -> [B, H, D]        a view back
+
+A decode's mask [B, 1, 1, L] broadcasts over the G rows unchanged, since they sit at one position. A later
+prefill chunk does the same with T queries: [Hkv, G * T, D] rows, its causal mask repeated G times. A first
+chunk keeps SDPA's is_causal (which skips the masked half of the work), so there K/V are repeated instead:
+T tokens' K/V, small next to that chunk's T² attention. (SDPA's own enable_gqa=True does that repeat too,
+on a CPU through its slow unfused path, so it is not used.) With G = 1 every one of these is today's MHA
+call, the same views and the same kernel.
 
 Masked slots are never zeroed, so they must hold finite numbers (0 * NaN is NaN even at weight 0).
 They do: the pool starts as zeros and only ever receives K/V vectors. The reference tolerates NaN
@@ -31,6 +46,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from roseinfer.attention.reference import kv_groups
+
 if TYPE_CHECKING:
     from roseinfer.attention import AttentionMetadata
 
@@ -45,11 +62,11 @@ class GatherBuffer:
     """
 
     def __init__(self) -> None:
-        self.k: torch.Tensor | None = None  # [capacity, block_size, H, D]
+        self.k: torch.Tensor | None = None  # [capacity, block_size, Hkv, D]
         self.v: torch.Tensor | None = None
 
     def get(self, num_blocks: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of the first `num_blocks` blocks, [num_blocks, block_size, H, D] each, like `like`'s blocks."""
+        """Views of the first `num_blocks` blocks, [num_blocks, block_size, Hkv, D] each, like `like`'s blocks."""
         if self.k is None or self.k.shape[0] < num_blocks or self.k.shape[1:] != like.shape[1:]:
             capacity = max(num_blocks, 2 * self.k.shape[0] if self.k is not None else 0)
             self.k = like.new_empty((capacity, *like.shape[1:]))
@@ -58,17 +75,17 @@ class GatherBuffer:
 
 
 def write_kv_flat(
-    key: torch.Tensor,  # [N, H, D] K of the N new tokens
-    value: torch.Tensor,  # [N, H, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, H, D], written in place
+    key: torch.Tensor,  # [N, Hkv, D] K of the N new tokens
+    value: torch.Tensor,  # [N, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], written in place
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [N] int64, every slot real (this engine never pads)
 ) -> None:
     """Scatter new K/V into the pool: one `index_copy_` per tensor into its flat view
-    [num_blocks * block_size, H, D], where row `slot` is exactly that slot."""
-    H, D = key.shape[1:]
-    k_cache.view(-1, H, D).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, H, D).index_copy_(0, slot_mapping, value)
+    [num_blocks * block_size, Hkv, D], where row `slot` is exactly that slot."""
+    Hkv, D = key.shape[1:]
+    k_cache.view(-1, Hkv, D).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, Hkv, D).index_copy_(0, slot_mapping, value)
 
 
 @dataclass
@@ -144,16 +161,18 @@ def plan_sdpa(meta: AttentionMetadata, block_size: int, gather_decodes: bool = T
 
 
 def _attend_run(q, k_cache, v_cache, run: DecodeRun, scale: float, buffer: GatherBuffer | None) -> torch.Tensor:
-    """q [rows, H, D] -> [rows, H, D]: one block-granular gather of K and of V, then one fused SDPA call."""
+    """q [rows, H, D] -> [rows, H, D]: one block-granular gather of K and of V, then one fused SDPA call.
+    A K/V head's G query heads are G query rows of it (GQA, see the module docstring; G = 1 for MHA)."""
     B, H, D = q.shape
-    L = run.real.shape[-1]  # padded context: every row is `width` blocks long
-    k_blocks, v_blocks = (buffer or GatherBuffer()).get(len(run.blocks), k_cache)  # [rows * width, bs, H, D]
+    Hkv, L = k_cache.shape[2], run.real.shape[-1]  # padded context: every row is `width` blocks long
+    k_blocks, v_blocks = (buffer or GatherBuffer()).get(len(run.blocks), k_cache)  # [rows * width, bs, Hkv, D]
     torch.index_select(k_cache, 0, run.blocks, out=k_blocks)  # block by block, in logical order
     torch.index_select(v_cache, 0, run.blocks, out=v_blocks)
-    k = k_blocks.view(B, L, H, D).transpose(1, 2)  # [B, H, L, D], a view
-    v = v_blocks.view(B, L, H, D).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=run.real, scale=scale)  # [B, H, 1, D]
-    return out[:, :, 0]
+    k = k_blocks.view(B, L, Hkv, D).transpose(1, 2)  # [B, Hkv, L, D], a view
+    v = v_blocks.view(B, L, Hkv, D).transpose(1, 2)
+    q_groups = q.unflatten(1, (Hkv, kv_groups(H, k_cache)))  # [B, Hkv, G, D], a view
+    out = F.scaled_dot_product_attention(q_groups, k, v, attn_mask=run.real, scale=scale)  # [B, Hkv, G, D]
+    return out.flatten(1, 2)  # [B, H, D]
 
 
 def attend_cascade(q, k_cache, v_cache, plan: SdpaPlan, scale: float, buffer: GatherBuffer | None) -> torch.Tensor:
@@ -166,24 +185,31 @@ def attend_cascade(q, k_cache, v_cache, plan: SdpaPlan, scale: float, buffer: Ga
     Without it, 32 requests behind a 384-token system prompt gather those 384 tokens' K/V 32 times a layer.
     Both parts run on PyTorch's CPU flash-attention kernel, the one F.scaled_dot_product_attention calls
     on a CPU, called directly because it also returns the log-sum-exp (an internal op of torch 2.13).
+    With GQA both parts fold a K/V head's G query heads into its query rows, as `_attend_run` does.
     """
     B, H, D = q.shape
-    k_p = k_cache.index_select(0, plan.prefix_blocks).flatten(0, 1).transpose(0, 1)  # [H, Lp, D]: the prefix, once
+    Hkv = k_cache.shape[2]
+    G = kv_groups(H, k_cache)
+    k_p = k_cache.index_select(0, plan.prefix_blocks).flatten(0, 1).transpose(0, 1)  # [Hkv, Lp, D]: the prefix, once
     v_p = v_cache.index_select(0, plan.prefix_blocks).flatten(0, 1).transpose(0, 1)
-    # all B queries against the prefix, as one sequence of B queries with no mask (every prefix token is visible)
-    o_p, lse_p = _flash_with_lse(q.transpose(0, 1)[None], k_p[None], v_p[None], None, scale)  # [1, H, B, D|1]
-    o_p, lse_p = o_p[0].transpose(0, 1), lse_p[0].transpose(0, 1)  # [B, H, D], [B, H]
+    # all B queries (B * G per K/V head) against the prefix, as one sequence with no mask (every prefix token is
+    # visible): row b * G + g of K/V head j is query head j * G + g of row b
+    q_p = q.unflatten(1, (Hkv, G)).transpose(0, 1).reshape(Hkv, B * G, D)  # [Hkv, B * G, D]
+    o_p, lse_p = _flash_with_lse(q_p[None], k_p[None], v_p[None], None, scale)  # [1, Hkv, B * G, D|1]
+    o_p = o_p[0].unflatten(1, (B, G)).transpose(0, 1).flatten(1, 2)  # [Hkv, B, G, D] -> [B, H, D]
+    lse_p = lse_p[0].unflatten(1, (B, G)).transpose(0, 1).flatten(1, 2)  # [B, H]
     out = torch.empty_like(q)
     for run in plan.decode_runs:  # the rows' own tokens, padded to the run's longest, masked
         rows, L = run.b - run.a, run.real.shape[-1]
         k_blocks, v_blocks = (buffer or GatherBuffer()).get(len(run.blocks), k_cache)
         torch.index_select(k_cache, 0, run.blocks, out=k_blocks)
         torch.index_select(v_cache, 0, run.blocks, out=v_blocks)
-        k = k_blocks.view(rows, L, H, D).transpose(1, 2)  # [rows, H, L, D]
-        v = v_blocks.view(rows, L, H, D).transpose(1, 2)
+        k = k_blocks.view(rows, L, Hkv, D).transpose(1, 2)  # [rows, Hkv, L, D]
+        v = v_blocks.view(rows, L, Hkv, D).transpose(1, 2)
         bias = torch.zeros(run.real.shape, dtype=q.dtype, device=q.device).masked_fill(~run.real, float("-inf"))
-        o_o, lse_o = _flash_with_lse(q[run.a : run.b, :, None], k, v, bias, scale)  # [rows, H, 1, D], [rows, H, 1]
-        o_o, lse_o, lse_pr = o_o[:, :, 0], lse_o[:, :, 0], lse_p[run.a : run.b]
+        q_o = q[run.a : run.b].unflatten(1, (Hkv, G))  # [rows, Hkv, G, D]
+        o_o, lse_o = _flash_with_lse(q_o, k, v, bias, scale)  # [rows, Hkv, G, D], [rows, Hkv, G]
+        o_o, lse_o, lse_pr = o_o.flatten(1, 2), lse_o.flatten(1, 2), lse_p[run.a : run.b]  # [rows, H, D], [rows, H]
         lse = torch.logaddexp(lse_pr, lse_o)  # [rows, H]
         out[run.a : run.b] = (
             o_p[run.a : run.b] * torch.exp(lse_pr - lse)[..., None] + o_o * torch.exp(lse_o - lse)[..., None]
@@ -198,8 +224,8 @@ def _flash_with_lse(q, k, v, bias: torch.Tensor | None, scale: float) -> tuple[t
 
 def paged_decode_sdpa(
     q: torch.Tensor,  # [B, H, D] one query per sequence
-    k_cache: torch.Tensor,  # [num_blocks, block_size, H, D]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     block_tables: torch.Tensor,  # [B, max_blocks] int, padded with a real block id (0)
     seq_lens: torch.Tensor,  # [B] int, tokens each sequence attends to
     scale: float,
@@ -240,9 +266,9 @@ def decode_runs(seq_lens: list[int], block_size: int) -> list[tuple[int, int, in
 
 def attention_sdpa(
     q: torch.Tensor,  # [N, H, D] this step's queries, decodes first
-    key: torch.Tensor,  # [N, H, D] this step's keys (already written into the pool too)
-    value: torch.Tensor,  # [N, H, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, H, D]
+    key: torch.Tensor,  # [N, Hkv, D] this step's keys (already written into the pool too)
+    value: torch.Tensor,  # [N, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
@@ -262,12 +288,29 @@ def attention_sdpa(
         for run in plan.decode_runs:
             out[run.a : run.b] = _attend_run(q[run.a : run.b], k_cache, v_cache, run, scale, meta.gather_buffer)
     for c in plan.chunks:
-        q_c = q[c.s : c.e].transpose(0, 1)  # [H, T, D]
-        if c.blocks is None:  # a first chunk: its own fresh K/V, plain causal attention
-            k_c, v_c = key[c.s : c.e].transpose(0, 1), value[c.s : c.e].transpose(0, 1)  # [H, T, D]
-        else:  # a later chunk: its whole context, gathered from the pool
-            k_c = k_cache.index_select(0, c.blocks).flatten(0, 1)[: c.seq_len].transpose(0, 1)  # [H, L, D]
-            v_c = v_cache.index_select(0, c.blocks).flatten(0, 1)[: c.seq_len].transpose(0, 1)
-        y = F.scaled_dot_product_attention(q_c, k_c, v_c, attn_mask=c.causal, is_causal=c.causal is None, scale=scale)
-        out[c.s : c.e] = y.transpose(0, 1)  # [T, H, D]
+        out[c.s : c.e] = _attend_chunk(q[c.s : c.e], key[c.s : c.e], value[c.s : c.e], k_cache, v_cache, c, scale)
     return out
+
+
+def _attend_chunk(q, key, value, k_cache, v_cache, c: PrefillChunk, scale: float) -> torch.Tensor:
+    """One prefill chunk, q [T, H, D] -> [T, H, D]; key/value [T, Hkv, D] are its fresh K/V."""
+    T, H, D = q.shape
+    Hkv = k_cache.shape[2]
+    G = kv_groups(H, k_cache)
+    if c.blocks is None:  # a first chunk: its own fresh K/V, plain causal attention
+        k_c, v_c = key.transpose(0, 1), value.transpose(0, 1)  # [Hkv, T, D]
+        if G > 1:  # is_causal needs one K/V head per query head: repeat each G times (T tokens' K/V, a small copy)
+            k_c, v_c = k_c.repeat_interleave(G, dim=0), v_c.repeat_interleave(G, dim=0)  # [H, T, D]
+        y = F.scaled_dot_product_attention(q.transpose(0, 1), k_c, v_c, is_causal=True, scale=scale)  # [H, T, D]
+        return y.transpose(0, 1)  # [T, H, D]
+    # a later chunk: its whole context, gathered from the pool
+    k_c = k_cache.index_select(0, c.blocks).flatten(0, 1)[: c.seq_len].transpose(0, 1)  # [Hkv, L, D]
+    v_c = v_cache.index_select(0, c.blocks).flatten(0, 1)[: c.seq_len].transpose(0, 1)
+    if G == 1:
+        y = F.scaled_dot_product_attention(q.transpose(0, 1), k_c, v_c, attn_mask=c.causal, scale=scale)  # [H, T, D]
+        return y.transpose(0, 1)  # [T, H, D]
+    # GQA: a K/V head's G query heads become G * T query rows of it, row g * T + t = query head kv * G + g of token t
+    q_g = q.unflatten(1, (Hkv, G)).permute(1, 2, 0, 3).reshape(Hkv, G * T, D)  # [Hkv, G * T, D], a small copy
+    mask = c.causal.repeat(G, 1)  # [G * T, L]: row g * T + t is token t's causal row
+    y = F.scaled_dot_product_attention(q_g, k_c, v_c, attn_mask=mask, scale=scale)  # [Hkv, G * T, D]
+    return y.unflatten(1, (G, T)).permute(2, 0, 1, 3).reshape(T, H, D)  # [Hkv, G, T, D] -> [T, H, D]

@@ -2,8 +2,8 @@
 
 A step's copies come as `block_mapping` rows (src, dst): block dst of every layer's K and V pool gets a
 copy of block src (see `copy_blocks_reference` for why, and why no dst may be a src). In one pool,
-[num_blocks, block_size, H, D] and contiguous, block `b` is the `block_size * H * D` elements starting
-at element `b * block_size * H * D`: a block copy is a copy of one contiguous run, whatever H, D and
+[num_blocks, block_size, Hkv, D] and contiguous, block `b` is the `block_size * Hkv * D` elements starting
+at element `b * block_size * Hkv * D`: a block copy is a copy of one contiguous run, whatever Hkv, D and
 block_size are, so a program moves a 1-D tile of TILE elements of it (a power of two, masked at the end).
 
 One launch for all layers. A copy is tiny (a GPT-2 medium fp16 block is 16 * 16 * 64 * 2 = 32 KB), and a
@@ -13,7 +13,7 @@ the kernel takes the pools' *addresses* as data: a small int64 table, row l = (K
 layer l, filled from `tensor.data_ptr()`. A program loads its layer's address and casts it to a typed
 pointer, `.to(tl.pointer_type(DTYPE))`, like `(scalar_t *) ptrs[layer]` in C. The grid gets a layer axis:
 
-    grid = (P pairs, L layers, cdiv(block_size * H * D, TILE) tiles)
+    grid = (P pairs, L layers, cdiv(block_size * Hkv * D, TILE) tiles)
 
 What this costs, and why it is safe:
 - The compiler learns nothing from an address it loads, not even its alignment, so it would move one
@@ -46,7 +46,7 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 def _copy_blocks_kernel(
     cache_ptrs_ptr,  # [L, 2] int64: addresses (data_ptr) of layer l's K pool at [l, 0], its V pool at [l, 1]
     block_mapping_ptr,  # [P, 2] int64: (src, dst) physical block ids
-    numel_per_block,  # block_size * H * D: one block of one pool is this many contiguous elements
+    numel_per_block,  # block_size * Hkv * D: one block of one pool is this many contiguous elements
     DTYPE: tl.constexpr,  # the pools' element type (tl.float16, ...): an address loaded from memory has none
     TILE: tl.constexpr,  # elements per program, a power of two
 ):
@@ -75,7 +75,7 @@ def _copy_blocks_kernel(
 
 
 def copy_blocks_triton(
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # one (K, V) per layer, each [num_blocks, block_size, H, D]
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # one (K, V) per layer, each [num_blocks, block_size, Hkv, D]
     block_mapping: torch.Tensor,  # [P, 2] int: copy physical block src -> dst, in every layer's K and V
 ) -> None:
     """Copy block src to block dst in every layer's K and V pool, all pairs and layers in one launch."""
@@ -85,7 +85,7 @@ def copy_blocks_triton(
     P = block_mapping.shape[0]
     if P == 0:  # nothing to copy (most steps): no launch, no transfer
         return
-    numel_per_block = math.prod(k0.shape[1:])  # block_size * H * D
+    numel_per_block = math.prod(k0.shape[1:])  # block_size * Hkv * D
     mapping = block_mapping.to(device=k0.device, dtype=torch.int64).contiguous()  # [P, 2], on the pools' device
     grid = (P, len(kv_caches), triton.cdiv(numel_per_block, _tile_for(numel_per_block)))
     _copy_blocks_kernel[grid](

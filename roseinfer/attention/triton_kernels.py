@@ -12,9 +12,16 @@ Memory is reached through pointers: `ptr + offsets` with a tensor of offsets is 
 `tl.load` reads them all into a tile, `tl.store` writes a tile back. A `mask` switches lanes off, so a
 tile can hang over the end of ragged data: masked lanes read `other` and write nothing.
 
-Layout (one layer): `k_cache`, `v_cache`: [num_blocks, block_size, H, D]. Slot `s` is block
+Layout (one layer): `k_cache`, `v_cache`: [num_blocks, block_size, Hkv, D]. Slot `s` is block
 `s // block_size`, offset `s % block_size`. Logical block `i` of sequence `b` is physical block
 `block_tables[b, i]`.
+
+Grouped-query attention: the pools hold Hkv <= H heads, and query head h reads K/V head h // G, with
+G = H // Hkv (`num_queries_per_kv`, vLLM's name; 1 for MHA). The attention kernels keep one program per
+(sequence, query head) and compute that index: the G programs of a group read the same K/V rows, the
+first from memory, the others mostly from the GPU's L2 cache, where they run at the same time. A launch
+with G = 1 compiles to today's MHA kernel: Triton specializes an int argument equal to 1 into a constant,
+so `head // 1` folds away.
 """
 
 from __future__ import annotations
@@ -30,22 +37,22 @@ import triton.language as tl
 
 @triton.jit
 def _write_kv_kernel(
-    key_ptr,  # [N, H, D] K of the new tokens (last dim contiguous)
-    value_ptr,  # [N, H, D]
-    k_cache_ptr,  # [num_blocks, block_size, H, D]
-    v_cache_ptr,  # [num_blocks, block_size, H, D], same strides as k_cache
+    key_ptr,  # [N, Hkv, D] K of the new tokens (last dim contiguous)
+    value_ptr,  # [N, Hkv, D]
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_cache_ptr,  # [num_blocks, block_size, Hkv, D], same strides as k_cache
     slot_mapping_ptr,  # [N] int32/int64
-    stride_kn,  # elements between two tokens of `key` (not H * D when key is a slice of a fused QKV)
+    stride_kn,  # elements between two tokens of `key` (not Hkv * D when key is a slice of a fused QKV)
     stride_kh,  # elements between two heads of `key`
     stride_vn,
     stride_vh,
     stride_cache_block,  # elements between two blocks of the pool
     stride_cache_slot,  # elements between two tokens of a block
     stride_cache_head,  # elements between two heads of a token
-    num_heads,  # H, a runtime value: it need not be a power of two
+    num_heads,  # Hkv, the pool's heads, a runtime value: it need not be a power of two
     BLOCK_SIZE: tl.constexpr,  # tokens per KV block
     HEAD_DIM: tl.constexpr,  # D, a power of two
-    HEADS_POW2: tl.constexpr,  # H rounded up to a power of two: tile shapes must be powers of two
+    HEADS_POW2: tl.constexpr,  # Hkv rounded up to a power of two: tile shapes must be powers of two
 ):
     # The grid is (N,): one program copies all heads of one token.
     token = tl.program_id(0).to(tl.int64)  # int64 so `token * stride` cannot overflow on long prompts
@@ -57,7 +64,7 @@ def _write_kv_kernel(
 
     heads = tl.arange(0, HEADS_POW2)  # [HEADS_POW2] 0, 1, 2, ...: the head index of each tile row
     dims = tl.arange(0, HEAD_DIM)  # [D] the element index of each tile column
-    mask = (heads < num_heads)[:, None]  # [HEADS_POW2, 1] rows past H are switched off (broadcasts over D)
+    mask = (heads < num_heads)[:, None]  # [HEADS_POW2, 1] rows past Hkv are switched off (broadcasts over D)
 
     # [HEADS_POW2, 1] + [1, D] broadcasts to a [HEADS_POW2, D] tile of offsets: one per element to move.
     src_k = key_ptr + token * stride_kn + heads[:, None] * stride_kh + dims[None, :]
@@ -71,16 +78,16 @@ def _write_kv_kernel(
 
 
 def write_kv_triton(
-    key: torch.Tensor,  # [N, H, D]
-    value: torch.Tensor,  # [N, H, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, H, D], written in place
-    v_cache: torch.Tensor,  # [num_blocks, block_size, H, D], written in place
+    key: torch.Tensor,  # [N, Hkv, D]
+    value: torch.Tensor,  # [N, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], written in place
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], written in place
     slot_mapping: torch.Tensor,  # [N] int32/int64, < 0 = skip
 ) -> None:
     """Scatter each new token's K/V into slot `slot_mapping[i]` of the pool; negative slots are skipped."""
-    N, H, D = key.shape
-    _check_cache(k_cache, v_cache, H, D)
-    assert value.shape == key.shape and slot_mapping.shape == (N,), "key/value [N, H, D], slot_mapping [N]"
+    N, Hkv, D = key.shape
+    _check_cache(k_cache, v_cache, Hkv, D)
+    assert value.shape == key.shape and slot_mapping.shape == (N,), "key/value [N, Hkv, D], slot_mapping [N]"
     assert key.stride(-1) == 1 and value.stride(-1) == 1, "the head dim of key/value must be contiguous"
     if N == 0:
         return
@@ -88,7 +95,7 @@ def write_kv_triton(
         key, value, k_cache, v_cache, slot_mapping.contiguous(),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        H, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=D, HEADS_POW2=triton.next_power_of_2(H),
+        Hkv, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=D, HEADS_POW2=triton.next_power_of_2(Hkv),
     )  # fmt: skip
 
 
@@ -103,7 +110,7 @@ def _attend_blocks(
     k_cache_ptr,
     v_cache_ptr,
     table_ptr,  # pointer to this sequence's row of block_tables
-    head,  # which head of the pool to read
+    kv_head,  # which head of the pool to read (the query head's K/V head)
     context_len,  # tokens of this sequence; positions >= context_len are masked
     first_block,  # logical blocks [first_block, end_block) are visited
     end_block,
@@ -136,9 +143,9 @@ def _attend_blocks(
         in_context = positions < context_len  # [BS] False past the end (the last block is usually partial)
 
         # [BS, 1] + [1, D] -> [BS, D] offsets of the K tile. In this layout one row (one token's head) is
-        # D contiguous elements, and consecutive tokens are H * D elements apart.
+        # D contiguous elements, and consecutive tokens are Hkv * D elements apart.
         kv = physical_block * stride_cache_block + tokens[:, None] * stride_cache_slot
-        kv = kv + head * stride_cache_head + dims[None, :]
+        kv = kv + kv_head * stride_cache_head + dims[None, :]
         k = tl.load(k_cache_ptr + kv, mask=in_context[:, None], other=0.0).to(tl.float32)  # [BS, D]
 
         scores = tl.sum(k * q[None, :], axis=1)  # [BS] q . k for each token: multiply, then sum over D
@@ -164,6 +171,7 @@ def _paged_attention_kernel(
     block_tables_ptr,  # [B, max_blocks] int32
     context_lens_ptr,  # [B] int32
     scale,
+    num_queries_per_kv,  # G = H // Hkv: query head h reads K/V head h // G (1 for MHA)
     stride_qb,
     stride_qh,
     stride_ob,
@@ -175,9 +183,10 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
-    # The grid is (B, H): one program computes the output of one head of one sequence.
+    # The grid is (B, H): one program computes the output of one (query) head of one sequence.
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    kv_head = head // num_queries_per_kv  # the pool's head this query head reads (GQA)
     context_len = tl.load(context_lens_ptr + seq)  # read on the GPU: the host never needs the lengths
     dims = tl.arange(0, HEAD_DIM)  # [D]
 
@@ -185,7 +194,7 @@ def _paged_attention_kernel(
     q = q * scale  # scaling q once is cheaper than scaling every score
     num_blocks = tl.cdiv(context_len, BLOCK_SIZE)  # blocks this sequence uses; the rest of its row is never read
     m_i, l_i, acc = _attend_blocks(
-        q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_table, head, context_len, 0, num_blocks,
+        q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_table, kv_head, context_len, 0, num_blocks,
         stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE, HEAD_DIM,
     )  # fmt: skip
     out = acc / l_i  # [D] normalise once at the end
@@ -194,8 +203,8 @@ def _paged_attention_kernel(
 
 def paged_attention_triton(
     q: torch.Tensor,  # [B, H, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, H, D]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], H % Hkv == 0
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     context_lens: torch.Tensor,  # [B] int32, each >= 1
     scale: float,
@@ -203,11 +212,11 @@ def paged_attention_triton(
 ) -> torch.Tensor:
     """Decode attention over the paged KV cache: grid (B, H), each program walks its sequence's blocks."""
     B, H, D = q.shape
-    _check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
+    G = _check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     out = torch.empty((B, H, D), dtype=q.dtype, device=q.device) if out is None else out
     assert out.shape == q.shape and out.stride(-1) == 1, "out must be [B, H, D] with a contiguous last dim"
     _paged_attention_kernel[(B, H)](
-        out, q, k_cache, v_cache, block_tables, context_lens, scale,
+        out, q, k_cache, v_cache, block_tables, context_lens, scale, G,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=D,
@@ -231,6 +240,7 @@ def _paged_attention_split_kernel(
     block_tables_ptr,
     context_lens_ptr,
     scale,
+    num_queries_per_kv,  # G: query head h reads K/V head h // G
     stride_qb,
     stride_qh,
     stride_table,
@@ -244,6 +254,7 @@ def _paged_attention_split_kernel(
     seq = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
+    kv_head = head // num_queries_per_kv
     num_heads = tl.num_programs(1)  # the grid's size along an axis
     num_splits = tl.num_programs(2)
     context_len = tl.load(context_lens_ptr + seq)
@@ -255,7 +266,7 @@ def _paged_attention_split_kernel(
     first = split * blocks_per_split
     end = tl.minimum(first + blocks_per_split, num_blocks)  # a short sequence leaves some splits empty
     m_i, l_i, acc = _attend_blocks(
-        q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_table, head, context_len, first, end,
+        q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_table, kv_head, context_len, first, end,
         stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE, HEAD_DIM,
     )  # fmt: skip
     # An empty split stores m = -inf, l = 0, acc = 0: the reduce gives it weight exp(-inf) = 0.
@@ -300,8 +311,8 @@ def _reduce_splits_kernel(
 
 def paged_attention_triton_split(
     q: torch.Tensor,  # [B, H, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, H, D]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], H % Hkv == 0
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     context_lens: torch.Tensor,  # [B] int32, each >= 1
     scale: float,
@@ -314,7 +325,7 @@ def paged_attention_triton_split(
     reads 1 / num_splits of the context, at the cost of a second launch and a small fp32 scratch.
     """
     B, H, D = q.shape
-    _check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
+    G = _check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     assert num_splits >= 1, "num_splits must be >= 1"
     out = torch.empty((B, H, D), dtype=q.dtype, device=q.device) if out is None else out
     assert out.shape == q.shape and out.stride(-1) == 1, "out must be [B, H, D] with a contiguous last dim"
@@ -322,7 +333,7 @@ def paged_attention_triton_split(
     l_buf = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)  # [B, H, S]
     acc_buf = torch.empty((B, H, num_splits, D), dtype=torch.float32, device=q.device)  # [B, H, S, D]
     _paged_attention_split_kernel[(B, H, num_splits)](
-        m_buf, l_buf, acc_buf, q, k_cache, v_cache, block_tables, context_lens, scale,
+        m_buf, l_buf, acc_buf, q, k_cache, v_cache, block_tables, context_lens, scale, G,
         q.stride(0), q.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=D,
@@ -343,21 +354,33 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, H: int, D: int) -> None:
-    assert k_cache.dim() == 4 and k_cache.shape[2:] == (H, D), "k_cache must be [num_blocks, block_size, H, D]"
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, Hkv: int, D: int) -> None:
+    assert k_cache.dim() == 4 and k_cache.shape[2:] == (Hkv, D), "k_cache must be [num_blocks, block_size, Hkv, D]"
     assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride(), "v_cache must match k_cache"
     assert k_cache.stride(-1) == 1, "the head dim of the cache must be contiguous"
     assert _is_pow2(k_cache.shape[1]), f"block_size must be a power of two, got {k_cache.shape[1]}"
     assert _is_pow2(D), f"head_dim must be a power of two, got {D}"
 
 
-def _check_attention_args(q, k_cache, v_cache, block_tables, context_lens) -> None:
+def _kv_groups(q: torch.Tensor, k_cache: torch.Tensor) -> int:
+    """G = H // Hkv for q [.., H, D] and a pool [num_blocks, block_size, Hkv, D]; checks the pool's shape."""
+    H, D = q.shape[-2:]
+    assert k_cache.dim() == 4 and k_cache.shape[-1] == D, "k_cache must be [num_blocks, block_size, Hkv, D]"
+    Hkv = k_cache.shape[2]
+    assert Hkv >= 1 and H % Hkv == 0, f"{H} query heads cannot share {Hkv} K/V heads: H % Hkv must be 0"
+    return H // Hkv
+
+
+def _check_attention_args(q, k_cache, v_cache, block_tables, context_lens) -> int:
+    """Checks the arguments of a decode launch; returns G, the query heads per K/V head."""
     B, H, D = q.shape
-    _check_cache(k_cache, v_cache, H, D)
+    G = _kv_groups(q, k_cache)
+    _check_cache(k_cache, v_cache, H // G, D)
     assert q.stride(-1) == 1, "the head dim of q must be contiguous"
     assert block_tables.dim() == 2 and block_tables.shape[0] == B and block_tables.stride(1) == 1
     assert context_lens.shape == (B,) and context_lens.stride(0) == 1, "context_lens must be a contiguous [B]"
     assert not block_tables.is_floating_point() and not context_lens.is_floating_point()
+    return G
 
 
 def paged_attention_auto(q, k_cache, v_cache, block_tables, context_lens, scale, out=None) -> torch.Tensor:

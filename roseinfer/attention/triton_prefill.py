@@ -19,6 +19,9 @@ context_len + i, with context_len = seq_len - q_len tokens (earlier chunks) alre
                earlier chunks (cached)  | this chunk: the q_len queries (their K/V already written too)
 
 Query at position p sees keys 0 .. p (causal). A fresh prompt is context_len = 0; a decode is q_len = 1.
+
+Grouped-query attention: the pools hold Hkv = H / G heads, [num_blocks, block_size, Hkv, D], and the
+program of query head h reads K/V head h // G, as the decode kernel does (see triton_kernels.py).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from roseinfer.attention.triton_kernels import _check_cache, paged_attention_auto
+from roseinfer.attention.triton_kernels import _check_cache, _kv_groups, paged_attention_auto
 
 _MAX_BLOCK_M = 64  # the largest query tile; a module constant so tests can shrink it to get many tiles
 
@@ -36,12 +39,13 @@ _MAX_BLOCK_M = 64  # the largest query tile; a module constant so tests can shri
 def _prefill_attention_kernel(
     out_ptr,  # [Nq, H, D]
     q_ptr,  # [Nq, H, D] (last dim contiguous)
-    k_cache_ptr,  # [num_blocks, block_size, H, D]
-    v_cache_ptr,  # [num_blocks, block_size, H, D], same strides as k_cache
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_cache_ptr,  # [num_blocks, block_size, Hkv, D], same strides as k_cache
     block_tables_ptr,  # [Bp, max_blocks] int32
     query_start_loc_ptr,  # [Bp + 1] int32, starting at 0
     seq_lens_ptr,  # [Bp] int32
     scale,
+    num_queries_per_kv,  # G = H // Hkv: query head h reads K/V head h // G (1 for MHA)
     stride_qn,  # elements between two tokens of q
     stride_qh,
     stride_on,
@@ -61,6 +65,7 @@ def _prefill_attention_kernel(
     req = tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
+    kv_head = head // num_queries_per_kv  # the pool's head this query head reads (GQA)
     q_start = tl.load(query_start_loc_ptr + req)  # this request's first row of q
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start  # its number of new tokens
     if tile * BLOCK_M >= q_len:  # this tile lies entirely past the chunk: nothing to do
@@ -96,7 +101,7 @@ def _prefill_attention_kernel(
         # physical one. So a key tile may span several KV blocks (BLOCK_SIZE < BLOCK_N) or part of one.
         block = tl.load(table_ptr + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)  # [BLOCK_N]
         slot = block * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot  # [BLOCK_N]
-        kv_offs = (slot + head * stride_cache_head)[:, None] + dims[None, :]  # [BLOCK_N, D]
+        kv_offs = (slot + kv_head * stride_cache_head)[:, None] + dims[None, :]  # [BLOCK_N, D]
         k = tl.load(k_cache_ptr + kv_offs, mask=key_valid[:, None], other=0.0).to(tl.float32)  # [BLOCK_N, D]
         v = tl.load(v_cache_ptr + kv_offs, mask=key_valid[:, None], other=0.0).to(tl.float32)  # [BLOCK_N, D]
 
@@ -123,7 +128,7 @@ def _prefill_attention_kernel(
 
 def prefill_attention_triton(
     q: torch.Tensor,  # [Nq, H, D] queries of the prefill requests only, flattened
-    k_cache: torch.Tensor,  # [num_blocks, block_size, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], H % Hkv == 0
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [Bp, max_blocks] int32
     query_start_loc: torch.Tensor,  # [Bp + 1] int32, starting at 0
@@ -137,7 +142,7 @@ def prefill_attention_triton(
     Grid (Bp, H, cdiv(max_query_len, BLOCK_M)); `max_query_len` must be >= every request's q_len (rows of a
     longer chunk would be left unwritten). The lengths stay on the device: the wrapper never reads them.
     """
-    _check_prefill_args(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len)
+    G = _check_prefill_args(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len)
     Nq, H, D = q.shape
     Bp = seq_lens.shape[0]
     out = torch.empty((Nq, H, D), dtype=q.dtype, device=q.device) if out is None else out
@@ -158,7 +163,7 @@ def prefill_attention_triton(
     num_warps = 8 if block_m * D > 64 * 64 else 4
     grid = (Bp, H, triton.cdiv(max_query_len, block_m))
     _prefill_attention_kernel[grid](
-        out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+        out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, G,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -169,7 +174,7 @@ def prefill_attention_triton(
 
 def attention_triton(
     q: torch.Tensor,  # [N, H, D] decodes' queries first (one each), then the prefill chunks'
-    k_cache: torch.Tensor,  # [num_blocks, block_size, H, D], the new tokens' K/V already written
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], the new tokens' K/V already written
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     query_start_loc: torch.Tensor,  # [B + 1] int32
@@ -207,10 +212,12 @@ def attention_triton(
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_prefill_args(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len) -> None:
+def _check_prefill_args(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len) -> int:
+    """Checks the arguments of a prefill launch; returns G, the query heads per K/V head."""
     assert q.dim() == 3, "q must be [Nq, H, D]"
     Nq, H, D = q.shape
-    _check_cache(k_cache, v_cache, H, D)
+    G = _kv_groups(q, k_cache)
+    _check_cache(k_cache, v_cache, H // G, D)
     assert D >= 16, f"head_dim must be >= 16 (tl.dot tiles), got {D}"
     assert q.stride(-1) == 1, "the head dim of q must be contiguous"
     assert seq_lens.dim() == 1 and seq_lens.stride(0) == 1, "seq_lens must be a contiguous [Bp]"
@@ -232,3 +239,4 @@ def _check_prefill_args(q, k_cache, v_cache, block_tables, query_start_loc, seq_
         assert bool((seq_lens.long() >= q_lens).all()), "seq_lens must include the new tokens (seq_len >= q_len)"
         blocks_needed = (seq_lens.long() + k_cache.shape[1] - 1) // k_cache.shape[1]
         assert int(blocks_needed.max()) <= block_tables.shape[1], "block_tables has too few columns for seq_lens"
+    return G

@@ -26,8 +26,13 @@ from roseinfer.core.block_pool import hash_block
 from roseinfer.sampling_params import BeamSearchParams, SamplingParams
 
 
+def as_token_ids(ids: int | tuple[int, ...] | None) -> tuple[int, ...]:
+    """None -> (), one id -> (id,), several -> a tuple of them."""
+    return () if ids is None else (ids,) if isinstance(ids, int) else tuple(ids)
+
+
 class Request:
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "max_model_len",
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "max_model_len",
                  "all_token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens", "block_hashes",
                  "spec_token_ids", "finish_reason", "group", "index", "cumulative_logprob", "max_tokens",
                  "stop_token_ids", "num_output_placeholders")  # fmt: skip
@@ -37,13 +42,15 @@ class Request:
         request_id: str,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams | BeamSearchParams,
-        eos_token_id: int | None,
+        eos_token_ids: int | tuple[int, ...] | None,
         max_model_len: int,
     ):
+        """`eos_token_ids`: the model's EOS id, or all of them (Llama 3 ends a turn with either of two)."""
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
-        self.eos_token_id = None if sampling_params.ignore_eos else eos_token_id  # None: never stop at EOS
+        eos = () if sampling_params.ignore_eos else as_token_ids(eos_token_ids)
+        self.eos_token_ids = frozenset(eos)  # empty: never stop at EOS
         self.max_model_len = max_model_len
         self.all_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -95,7 +102,7 @@ class Request:
         """Record a generated token and check the stops that need no text (vLLM's check_stop); True if the
         request is finished by it."""
         self.all_token_ids.append(token_id)
-        if token_id == self.eos_token_id or token_id in self.stop_token_ids:
+        if token_id in self.eos_token_ids or token_id in self.stop_token_ids:
             self.finish_reason = "stop"
         elif len(self.all_token_ids) - self.num_prompt_tokens >= self.max_tokens or (
             len(self.all_token_ids) >= self.max_model_len
@@ -114,7 +121,7 @@ class Request:
     def fork(self, request_id: str, index: int) -> Request:
         """A child sequence: the same tokens and computed K/V so far (its blocks are shared, not copied)."""
         child = Request(request_id, self.prompt_token_ids, self.sampling_params, None, self.max_model_len)
-        child.eos_token_id = self.eos_token_id
+        child.eos_token_ids = self.eos_token_ids
         child.all_token_ids = list(self.all_token_ids)
         child.num_computed_tokens, child.num_cached_tokens = self.num_computed_tokens, self.num_cached_tokens
         child.block_hashes = list(self.block_hashes)

@@ -54,7 +54,7 @@ class Hypothesis:
 class BeamSearchState:
     beam_width: int
     length_penalty: float
-    eos_token_id: int | None  # None: EOS is an ordinary token (ignore_eos)
+    eos_token_ids: frozenset[int]  # empty: EOS is an ordinary token (ignore_eos)
     prompt_len: int
     max_len: int  # prompt + max_tokens (or the model's context, if shorter)
     finished: list[Hypothesis] = field(default_factory=list)  # best first, at most beam_width
@@ -107,7 +107,7 @@ class BeamSearchState:
         return [] if self.done else nxt
 
     def _stops(self, c: Candidate, cur_len: int) -> bool:
-        return (self.eos_token_id is not None and c.token == self.eos_token_id) or cur_len + 1 >= self.max_len
+        return c.token in self.eos_token_ids or cur_len + 1 >= self.max_len
 
 
 class BeamSearchCoordinator:
@@ -125,7 +125,7 @@ class BeamSearchCoordinator:
     def add(self, request) -> None:
         p = request.sampling_params
         end = min(request.num_tokens + p.max_tokens, request.max_model_len)
-        self.searches[request.request_id] = BeamSearchState(p.beam_width, p.length_penalty, request.eos_token_id,
+        self.searches[request.request_id] = BeamSearchState(p.beam_width, p.length_penalty, request.eos_token_ids,
                                                             request.num_tokens, end)  # fmt: skip
 
     def forget(self, group) -> None:
@@ -157,9 +157,9 @@ class BeamSearchCoordinator:
         if search.done:
             sched.finish_requests([b.request_id for b in beams], "stop")
             del self.searches[group.group_id]
-            eos = search.eos_token_id
-            ranked = [(h.token_ids, h.cum_logprob, "stop" if eos is not None and h.token_ids and h.token_ids[-1] == eos
-                       else "length") for h in search.finished]  # fmt: skip
+            eos = search.eos_token_ids
+            ranked = [(h.token_ids, h.cum_logprob, "stop" if h.token_ids and h.token_ids[-1] in eos else "length")
+                      for h in search.finished]  # fmt: skip
             return EngineCoreOutput(group.group_id, [], "stop", beams=ranked)
         taken, new = set(), []
         for c in nxt:  # forks first, while every parent still has exactly its old tokens

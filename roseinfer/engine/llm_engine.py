@@ -52,7 +52,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = Tokenizer.from_model_dir(mc.model_dir, mc.vocab_size)
         self.input_processor = InputProcessor(self.tokenizer, mc.vocab_size, mc.max_model_len)
-        self.output_processor = OutputProcessor(self.tokenizer, mc.eos_token_id)
+        self.output_processor = OutputProcessor(self.tokenizer, mc.eos_token_ids)
         self.engine_core = EngineCore(config)
         self.scheduler = self.engine_core.scheduler
         self.kv_cache_manager = self.engine_core.kv_cache_manager
@@ -74,7 +74,7 @@ class LLMEngine:
         params = params or SamplingParams()
         text, prompt_ids = self.input_processor.process(prompt)
         mc = self.config.model_config
-        self.engine_core.add_request(Request(request_id, prompt_ids, params, mc.eos_token_id, mc.max_model_len))
+        self.engine_core.add_request(Request(request_id, prompt_ids, params, mc.eos_token_ids, mc.max_model_len))
         self.output_processor.add_request(request_id, text, prompt_ids, params)
 
     def check_request(self, prompt: str | list[int], params: SamplingParams | BeamSearchParams) -> list[int]:
@@ -82,7 +82,7 @@ class LLMEngine:
         (a server answers it before it accepts the request)."""
         _, prompt_ids = self.input_processor.process(prompt)
         mc = self.config.model_config
-        self.scheduler.check_fits(Request("check", prompt_ids, params, mc.eos_token_id, mc.max_model_len))
+        self.scheduler.check_fits(Request("check", prompt_ids, params, mc.eos_token_ids, mc.max_model_len))
         return prompt_ids
 
     def abort_request(self, request_id: str) -> None:

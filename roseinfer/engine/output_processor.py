@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import codecs
 
+from roseinfer.core.request import as_token_ids
 from roseinfer.core.sched.output import EngineCoreOutput
 from roseinfer.engine.detokenizer import Detokenizer
 from roseinfer.outputs import CompletionOutput, RequestOutput
@@ -60,7 +61,7 @@ class RequestState:
         c = self.completions.get(index)
         if c is None:
             p = self.processor
-            detok = Detokenizer(p.token_bytes, self.params.stop, (p.eos_token_id,)) if self.stream_text else None
+            detok = Detokenizer(p.token_bytes, self.params.stop, p.eos_token_ids) if self.stream_text else None
             c = self.completions[index] = Completion(index, detok)
         return c
 
@@ -70,8 +71,8 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, eos_token_id: int | None):
-        self.tokenizer, self.eos_token_id = tokenizer, eos_token_id
+    def __init__(self, tokenizer: Tokenizer, eos_token_ids: int | tuple[int, ...] | None):
+        self.tokenizer, self.eos_token_ids = tokenizer, as_token_ids(eos_token_ids)  # EOS tokens make no text
         self.token_bytes = tokenizer.token_bytes_table
         self.requests: dict[str, RequestState] = {}
 
@@ -215,8 +216,8 @@ class OutputProcessor:
 
     def decode(self, token_ids: list[int]) -> str:
         """The whole text at once, as the streaming detokenizer would have made it (EOS makes no text)."""
-        table, eos = self.token_bytes, self.eos_token_id
-        data = b"".join(table[t] if t < len(table) else b"" for t in token_ids if t != eos)
+        table, eos = self.token_bytes, self.eos_token_ids
+        data = b"".join(table[t] if t < len(table) else b"" for t in token_ids if t not in eos)
         return codecs.decode(data, "utf-8", errors="replace")
 
     @staticmethod

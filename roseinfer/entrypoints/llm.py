@@ -4,6 +4,7 @@
     llm = LLM()                                   # the bundled model; or a path / Hub id
     outs = llm.generate(["Romeo.\\n", "Hamlet.\\n"], SamplingParams(temperature=0.8, max_tokens=64))
     print(outs[0].text)
+    outs = llm.chat([{"role": "user", "content": "Hi!"}])   # a chat model: its chat template makes the prompt
 
 `LLM(model, **kwargs)` takes `EngineArgs`' fields (roseinfer/config.py); each output is built once, when its
 request finishes.
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from roseinfer.engine.llm_engine import LLMEngine
+from roseinfer.entrypoints import chat_utils
 from roseinfer.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from roseinfer.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -71,6 +73,36 @@ class LLM:
         params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                   for p in _as_params_list(sampling_params, len(prompts))]  # fmt: skip
         return self._run(prompts, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate the next message of each conversation: `messages` is one conversation (a list of
+        {"role": ..., "content": ...} dicts) or a list of them; one RequestOutput per conversation, as `generate`.
+
+        Each conversation is rendered by the model's chat template (or `chat_template`, a Jinja template), as
+        transformers' `apply_chat_template` renders it (entrypoints/chat_utils.py), and tokenized without adding
+        special tokens (the template wrote the BOS if the model wants one). The token ids then run as `generate`
+        runs a prompt of token ids; each output's `prompt` is the rendered text."""
+        conversations = chat_utils.parse_chat_messages(messages)
+        texts, prompts = [], []
+        for i, conversation in enumerate(conversations):
+            try:
+                text, ids = chat_utils.chat_prompt_token_ids(self.tokenizer, conversation, add_generation_prompt,
+                                                             chat_template)  # fmt: skip
+            except ValueError as e:
+                raise ValueError(f"conversation {i}: {e}" if len(conversations) > 1 else str(e)) from e
+            texts.append(text)
+            prompts.append(ids)
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        for out, text in zip(outputs, texts, strict=True):
+            out.prompt = text
+        return outputs
 
     def beam_search(
         self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = False

@@ -22,8 +22,10 @@ import torch.nn.functional as F
 from roseinfer.attention import AttentionMetadata
 from roseinfer.model_executor.activations import gelu_tanh, get_activation
 from roseinfer.model_executor.onednn_linear import pack_linear_layers, pack_weight, packed_linear
-from roseinfer.model_executor.parallel_layers import ColumnParallelLinear, RowParallelLinear
+from roseinfer.model_executor.parallel_layers import ColumnParallelLinear, RowParallelLinear, shard_state_dict
 
+# Hugging Face's GPT-2 stores these four as Conv1D ([in, out]); nn.Linear wants [out, in].
+_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 KV = tuple[torch.Tensor, torch.Tensor]  # one layer's (K pool, V pool), each [num_blocks, block_size, H, D]
 
 
@@ -41,10 +43,21 @@ class GPT2Config:
     scale_attn_weights: bool = True  # scale q·kᵀ by 1/√head_dim
     scale_attn_by_inverse_layer_idx: bool = False  # ... and by 1/(layer index + 1)
     tie_word_embeddings: bool = True  # lm_head = wteᵀ; False: a separate lm_head.weight
+    eos_token_ids: tuple[int, ...] = ()  # every id that ends a sequence (default: just eos_token_id)
 
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+    def __post_init__(self) -> None:
+        if not self.eos_token_ids and self.eos_token_id is not None:
+            self.eos_token_ids = (self.eos_token_id,)
+
+    # the engine's view of any model's config (registry.py), under transformers' common names
+    head_dim = property(lambda self: self.n_embd // self.n_head)
+    hidden_size = property(lambda self: self.n_embd)
+    intermediate_size = property(lambda self: self.n_inner or 4 * self.n_embd)
+    num_hidden_layers = property(lambda self: self.n_layer)
+    num_attention_heads = property(lambda self: self.n_head)
+    num_key_value_heads = property(lambda self: self.n_head)  # every head has its own K/V
+    max_position_embeddings = property(lambda self: self.n_positions)
+    sliding_window = None
 
     @classmethod
     def from_hf(cls, hf: dict) -> GPT2Config:
@@ -169,3 +182,16 @@ class GPT2(nn.Module):
             return packed_linear(hidden, self.head_packed, None)
         head = self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight  # [V, C]
         return F.linear(hidden, head)
+
+    @staticmethod
+    def convert_state_dict(sd: dict[str, torch.Tensor], cfg: GPT2Config, tp_rank: int = 0,
+                           tp_size: int = 1) -> dict[str, torch.Tensor]:  # fmt: skip
+        """A transformers checkpoint -> this module's names (Conv1D weights transposed), rank `tp_rank`'s shard."""
+        ours = {}
+        for name, w in sd.items():
+            name = name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name
+            tied_head = name == "lm_head.weight" and cfg.tie_word_embeddings
+            if name.endswith((".attn.bias", ".attn.masked_bias")) or tied_head:
+                continue  # old causal-mask buffers; a tied LM head is wte (as in transformers)
+            ours[name] = w.t() if name.endswith(_CONV1D) else w
+        return shard_state_dict(ours, cfg.n_head, tp_rank, tp_size)  # keep this rank's slices

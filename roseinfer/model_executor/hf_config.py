@@ -7,8 +7,8 @@ implemented or refused here, never ignored.
                  scale_attn_weights (q·kᵀ/√D, or no scaling at all)
                  scale_attn_by_inverse_layer_idx (also divide by layer index + 1)
                  tie_word_embeddings (false: the checkpoint's own lm_head.weight)
-                 eos_token_id (one id, or null for "never stop at EOS"; the loader takes it from
-                 generation_config.json when that file exists, as transformers' generate does)
+                 eos_token_id (one id, a list of ids, or null for "never stop at EOS"; the loader takes
+                 it from generation_config.json when that file exists, as transformers' generate does)
     accepted     reorder_and_upcast_attn: it changes where the scale is applied and runs the
                  softmax in fp32 under mixed precision, not the function computed. transformers
                  itself only honours it in its "eager" attention; our SDPA and paged kernels
@@ -17,7 +17,7 @@ implemented or refused here, never ignored.
                  use_cache, bos/pad ids, and n_ctx, which transformers ignores too (the context
                  is n_positions)
     refused      model_type other than gpt2, add_cross_attention, quantization_config,
-                 n_embd not divisible by n_head, several eos ids, bad values
+                 n_embd not divisible by n_head, bad values
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import math
 
 from roseinfer.checks import is_int
 from roseinfer.model_executor.activations import get_activation
+from roseinfer.model_executor.llama_config import eos_token_ids
 
 DEFAULTS = dict(  # transformers' GPT2Config defaults: a field missing from config.json means these
     vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, n_inner=None,
@@ -63,12 +64,8 @@ def config_kwargs_from_hf(hf: dict) -> dict:
         _require(isinstance(c[name], bool), name, c[name], "true or false")
     if c["add_cross_attention"]:
         raise ValueError("add_cross_attention=true (the decoder of an encoder-decoder model) is not supported")
-    eos = c["eos_token_id"]
-    if isinstance(eos, list):
-        _require(len(eos) <= 1, "eos_token_id", eos, "one id (roseinfer stops on a single EOS id)")
-        eos = eos[0] if eos else None
-    _require(eos is None or (is_int(eos) and eos >= 0), "eos_token_id", eos, "an int >= 0 or null")
-    return {**{k: c[k] for k in _OURS}, "eos_token_id": eos}
+    eos = eos_token_ids(c["eos_token_id"])
+    return {**{k: c[k] for k in _OURS}, "eos_token_id": eos[0] if eos else None, "eos_token_ids": eos}
 
 
 def _is_number(x) -> bool:

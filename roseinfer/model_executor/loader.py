@@ -7,19 +7,17 @@ import os
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 
-from roseinfer.model_executor.gpt2 import GPT2, GPT2Config
 from roseinfer.model_executor.onednn_linear import resolve_linear_backend
-from roseinfer.model_executor.parallel_layers import shard_state_dict
+from roseinfer.model_executor.registry import MODELS, ModelConfigType, architecture_of, get_model_spec
 
 DEFAULT_MODEL = str(Path(__file__).parent.parent / "models" / "tiny-shakespeare")
 
-# Hugging Face's GPT-2 stores these four as Conv1D ([in, out]); nn.Linear wants [out, in].
-_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # what we fetch from the Hub: the config, the tokenizer in every form we read, and the weights
 # (model.safetensors; pytorch_model.bin only for repos without it, so we never download both)
 _HUB_FILES = ["config.json", "generation_config.json", "tokenizer.tiktoken", "vocab.json", "merges.txt",
-              "tokenizer.json", "tokenizer_config.json"]  # fmt: skip
+              "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]  # fmt: skip
 
 
 def resolve_model_dir(model: str | os.PathLike | None) -> Path:
@@ -45,8 +43,8 @@ def _download_from_hub(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        path = Path(snapshot_download(repo_id, allow_patterns=[*_HUB_FILES, "model.safetensors"]))
-        if not (path / "model.safetensors").exists():
+        path = Path(snapshot_download(repo_id, allow_patterns=[*_HUB_FILES, "model*.safetensors*"]))
+        if not (path / "model.safetensors").exists() and not (path / "model.safetensors.index.json").exists():
             path = Path(snapshot_download(repo_id, allow_patterns=["pytorch_model.bin"]))
         return path
     except Exception as e:  # offline, unknown repo, gated repo ...
@@ -58,41 +56,53 @@ def _download_from_hub(repo_id: str) -> Path:
 
 
 def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    """Read model.safetensors (preferred) or pytorch_model.bin."""
-    if (model_dir / "model.safetensors").exists():
-        from safetensors.torch import load_file
+    """Read the weights: model.safetensors, or the shards model.safetensors.index.json lists (big checkpoints
+    are cut into several files, and the index maps every tensor name to its file), or pytorch_model.bin."""
+    from safetensors.torch import load_file
 
+    if (model_dir / "model.safetensors").exists():
         return load_file(model_dir / "model.safetensors")
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{str(index)!r} has no weight_map (tensor name -> shard file)")
+        sd: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            if not (model_dir / shard).exists():
+                raise FileNotFoundError(f"shard {shard!r}, named in {str(index)!r}, is missing from {str(model_dir)!r}")
+            sd.update(load_file(model_dir / shard))
+        missing = sorted(set(weight_map) - set(sd))
+        if missing:
+            raise ValueError(f"{str(index)!r} maps {missing[:3]} to shards that do not hold them")
+        return sd
     if (model_dir / "pytorch_model.bin").exists():
         return torch.load(model_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"no model.safetensors or pytorch_model.bin in {str(model_dir)!r}")
+    raise FileNotFoundError(f"no model.safetensors, model.safetensors.index.json or pytorch_model.bin in "
+                            f"{str(model_dir)!r}")  # fmt: skip
 
 
-def read_model_config(model_dir: Path) -> GPT2Config:
-    """config.json (checked field by field: roseinfer/model_executor/hf_config.py), with the EOS id of
-    generation_config.json when that file exists: transformers' generate stops on that one."""
+def read_model_config(model_dir: Path) -> ModelConfigType:
+    """config.json, read by its architecture's class (registry.py: every field checked), with the EOS ids of
+    generation_config.json when that file has them: transformers' generate stops on those."""
     hf = json.loads((model_dir / "config.json").read_text())
+    hf = {**hf, "architectures": [architecture_of(hf)]}
     generation = model_dir / "generation_config.json"
     if generation.exists():
         hf = {**hf, "eos_token_id": json.loads(generation.read_text()).get("eos_token_id")}
-    return GPT2Config.from_hf(hf)
+    return get_model_spec(hf).read_config(hf)
 
 
-def load_model(model_dir: Path, cfg: GPT2Config, device: torch.device, dtype: torch.dtype, tp_rank: int = 0,
-               tp_size: int = 1, linear_backend: str = "auto") -> GPT2:  # fmt: skip
-    """The model in eval mode on `device` in `dtype`. With `tp_size` > 1, only rank `tp_rank`'s shard of the
-    weights (see roseinfer/model_executor/parallel_layers.py). `linear_backend` 'auto' or 'onednn' on a CPU:
-    the linear layers' weights are also reordered for oneDNN (roseinfer/model_executor/onednn_linear.py)."""
+def load_model(model_dir: Path, cfg: ModelConfigType, device: torch.device, dtype: torch.dtype, tp_rank: int = 0,
+               tp_size: int = 1, linear_backend: str = "auto") -> nn.Module:  # fmt: skip
+    """The model in eval mode on `device` in `dtype` (the checkpoint's own dtype does not matter: fp32, fp16
+    and bf16 weights are all cast). With `tp_size` > 1, only rank `tp_rank`'s shard of the weights (see
+    roseinfer/model_executor/parallel_layers.py). `linear_backend` 'auto' or 'onednn' on a CPU: the linear
+    layers' weights are also reordered for oneDNN (roseinfer/model_executor/onednn_linear.py)."""
     linear_backend = resolve_linear_backend(linear_backend, device, dtype)
-    sd = load_state_dict(model_dir)
-    ours = {}
-    for name, w in sd.items():
-        name = name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name
-        if name.endswith((".attn.bias", ".attn.masked_bias")) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
-            continue  # old causal-mask buffers; a tied LM head is wte (as in transformers)
-        ours[name] = w.t() if name.endswith(_CONV1D) else w
-    ours = shard_state_dict(ours, cfg.n_head, tp_rank, tp_size)  # keep this rank's slices
-    net = GPT2(cfg, tp_size)
+    model_class = MODELS[architecture_of(json.loads((model_dir / "config.json").read_text()))].model_class
+    ours = model_class.convert_state_dict(load_state_dict(model_dir), cfg, tp_rank, tp_size)
+    net = model_class(cfg, tp_size)
     expected = net.state_dict()
     wrong = [f"{n} {tuple(w.shape)} (expected {tuple(expected[n].shape)})"
              for n, w in ours.items() if n in expected and w.shape != expected[n].shape]  # fmt: skip
@@ -100,9 +110,8 @@ def load_model(model_dir: Path, cfg: GPT2Config, device: torch.device, dtype: to
         raise ValueError(f"checkpoint in {str(model_dir)!r} does not match its config.json: {wrong[:4]}")
     missing, unexpected = net.load_state_dict(ours, strict=False)
     if missing or unexpected:
-        raise ValueError(
-            f"checkpoint in {str(model_dir)!r} does not fit GPT-2: missing={missing} unexpected={unexpected}"
-        )
+        raise ValueError(f"checkpoint in {str(model_dir)!r} does not fit {model_class.__name__}: "
+                         f"missing={missing} unexpected={unexpected}")  # fmt: skip
     net = net.to(device=device, dtype=dtype).eval()
     if linear_backend == "onednn":
         net.pack_for_onednn()

@@ -34,8 +34,8 @@ class ColumnParallelLinear(nn.Linear):
 
     packed: torch.Tensor | None = None  # the weight reordered for oneDNN (onednn_linear.py), on a CPU
 
-    def __init__(self, in_features: int, out_features: int, tp_size: int = 1):
-        super().__init__(in_features, out_features // tp_size)
+    def __init__(self, in_features: int, out_features: int, tp_size: int = 1, bias: bool = True):
+        super().__init__(in_features, out_features // tp_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -49,8 +49,8 @@ class RowParallelLinear(nn.Linear):
 
     packed: torch.Tensor | None = None  # the weight reordered for oneDNN (onednn_linear.py), on a CPU
 
-    def __init__(self, in_features: int, out_features: int, tp_size: int = 1):
-        super().__init__(in_features // tp_size, out_features)
+    def __init__(self, in_features: int, out_features: int, tp_size: int = 1, bias: bool = True):
+        super().__init__(in_features // tp_size, out_features, bias=bias)
         self.tp_size = tp_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -59,7 +59,7 @@ class RowParallelLinear(nn.Linear):
         # [N, out]: this rank's share of the sum
         y = F.linear(x, self.weight) if self.packed is None else packed_linear(x, self.packed, None)
         all_reduce(y)  # every rank now holds Σ over ranks: the whole layer's output
-        return y + self.bias
+        return y if self.bias is None else y + self.bias
 
 
 class CommStats:

@@ -46,9 +46,9 @@ class DraftModelProposer:
                 f"the draft model's vocabulary ({cfg.vocab_size} tokens) differs from the target's "
                 f"({target.vocab_size}): a draft must share the target's tokenizer"
             )
-        if cfg.n_positions < target.n_positions:
-            raise ValueError(f"the draft model's context ({cfg.n_positions}) is shorter than the target's "
-                             f"({target.n_positions})")  # fmt: skip
+        if cfg.max_position_embeddings < mc.max_model_len:
+            raise ValueError(f"the draft model's context ({cfg.max_position_embeddings}) is shorter than the target's "
+                             f"({mc.max_model_len})")  # fmt: skip
         self.k = spec.num_speculative_tokens
         self.model = load_model(draft_dir, cfg, runner.device, mc.dtype, linear_backend=mc.linear_backend)
         self.kv_cache = KVCache(cfg, runner.kv_cache.num_blocks, runner.block_size, mc.dtype, runner.device)

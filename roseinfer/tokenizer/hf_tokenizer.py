@@ -137,6 +137,16 @@ def special_tokens(vocab: dict[str, int], added: list[dict], config: dict) -> di
     return specials
 
 
+def is_gpt2_tokenizer_json(path: Path) -> bool:
+    """Whether tokenizer.json is GPT-2's plain kind (what tiktoken runs; see `_read_tokenizer_json`). Any other
+    kind (Llama 3, Qwen2, SentencePiece) is read by `FastTokenizer` instead."""
+    try:
+        _read_tokenizer_json(path)
+    except ValueError:
+        return False
+    return True
+
+
 # ---- reading and checking the files ----------------------------------------------------
 def _read_tokenizer_json(path: Path) -> dict:
     """tokenizer.json, refused unless it is GPT-2's pipeline: no normalizer, ByteLevel split with

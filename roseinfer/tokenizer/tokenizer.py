@@ -11,6 +11,11 @@ carry GPT-2's files instead (vocab.json + merges.txt, tokenizer.json), which
     3. tokenizer.json               if it is a GPT-2 byte-level BPE
     4. tiktoken's "gpt2" encoding   for a 50257-token GPT-2, if tiktoken has it cached
 
+A tokenizer.json of another kind (Llama 3's BOS-adding post-processor, Qwen2's normalizer,
+SentencePiece's "▁" and byte tokens ...) is what tiktoken cannot run: `from_model_dir` hands the
+directory to `FastTokenizer` (fast_tokenizer.py, on the `tokenizers` library), which has the same
+interface. GPT-2's own kind stays on tiktoken, errors included.
+
 Special tokens (<|endoftext|>, tokenizer.json's added tokens) are matched in the text first,
 as transformers does, so the literal "<|endoftext|>" in a prompt is one token.
 """
@@ -26,7 +31,9 @@ from pathlib import Path
 
 import tiktoken
 
-from roseinfer.tokenizer.hf_tokenizer import EOT, load_gpt2_bpe
+from roseinfer.tokenizer.fast_tokenizer import FastTokenizer
+from roseinfer.tokenizer.hf_tokenizer import EOT, is_gpt2_tokenizer_json, load_gpt2_bpe
+from roseinfer.tokenizer.tokenizer_config import load_chat_template, read_tokenizer_config, special_tokens_map
 
 # GPT-2's pre-tokenizer: split into words / numbers / punctuation runs / whitespace
 # before BPE, so merges never cross those boundaries.
@@ -75,13 +82,20 @@ class Tokenizer:
         specials = encoding.special_tokens_set
         self.eos_token_id: int | None = encoding.encode_single_token(EOT) if EOT in specials else None
         self.vocab_size: int = encoding.n_vocab
+        # for chat templates: GPT-2's named special tokens (transformers' defaults) and the model's template
+        names = ("bos_token", "eos_token", "unk_token")
+        self.special_tokens_map: dict[str, str] = dict.fromkeys(names, EOT) if EOT in specials else {}
+        self.bos_token_id: int | None = self.eos_token_id
+        self.chat_template: str | dict[str, str] | None = None
 
     @classmethod
-    def from_model_dir(cls, model_dir: Path, vocab_size: int | None = None) -> Tokenizer:
+    def from_model_dir(cls, model_dir: Path, vocab_size: int | None = None) -> Tokenizer | FastTokenizer:
         """The first tokenizer found in the search order above. `vocab_size` is the model's: the
         tokenizer must not produce ids beyond it."""
         model_dir = Path(model_dir)
         tok = cls._find(model_dir, vocab_size)
+        if isinstance(tok, Tokenizer):
+            tok._read_chat_config(model_dir)
         if vocab_size is not None and tok.vocab_size > vocab_size:
             raise ValueError(
                 f"the tokenizer in {str(model_dir)!r} ({tok.source}) has ids up to {tok.vocab_size - 1}, "
@@ -89,14 +103,26 @@ class Tokenizer:
             )
         return tok
 
+    def _read_chat_config(self, model_dir: Path) -> None:
+        """The special token names and the chat template of tokenizer_config.json / chat_template.jinja."""
+        config = read_tokenizer_config(model_dir)
+        specials = self.encoding.special_tokens_set
+        self.special_tokens_map = special_tokens_map(config, self.special_tokens_map)
+        bos = self.special_tokens_map.get("bos_token")
+        self.bos_token_id = self.encoding.encode_single_token(bos) if bos in specials else None
+        self.chat_template = load_chat_template(model_dir, config)
+
     @classmethod
-    def _find(cls, model_dir: Path, vocab_size: int | None) -> Tokenizer:
+    def _find(cls, model_dir: Path, vocab_size: int | None) -> Tokenizer | FastTokenizer:
         path = model_dir / "tokenizer.tiktoken"
         if path.exists():
             ranks = read_tiktoken_file(path)
             special = {EOT: len(ranks)}
             return cls(tiktoken.Encoding(model_dir.name, pat_str=GPT2_PAT, mergeable_ranks=ranks,
                                          special_tokens=special), "tokenizer.tiktoken")  # fmt: skip
+        tj = model_dir / "tokenizer.json"
+        if tj.exists() and not is_gpt2_tokenizer_json(tj):  # tiktoken would refuse it: the tokenizers library runs it
+            return FastTokenizer.from_model_dir(model_dir)
         found = load_gpt2_bpe(model_dir)
         if found is not None:
             ranks, special, source = found
@@ -110,8 +136,9 @@ class Tokenizer:
             looked += f", tiktoken's 'gpt2' encoding in its cache ({tiktoken_cache_dir() or 'caching is off'})"
         raise FileNotFoundError(f"no tokenizer found for model {str(model_dir)!r}: looked for {looked}")
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # Like HF's GPT-2 tokenizer, special tokens in the text ("<|endoftext|>") become their own ids.
+        # GPT-2 adds no BOS/EOS around a text, so `add_special_tokens` (FastTokenizer's) changes nothing.
         return self.encoding.encode(text, allowed_special="all")
 
     def decode(self, ids: list[int]) -> str:

@@ -1,13 +1,15 @@
 """The paged KV cache: one preallocated pool of blocks, for every layer.
 
-Layout, per layer:   K, V : [num_blocks, block_size, n_head, head_dim]
+Layout, per layer:   K, V : [num_blocks, block_size, num_key_value_heads, head_dim]
 
     physical block 0 │ slot 0 │ slot 1 │ … │ slot bs-1 │   each slot holds one token's
-    physical block 1 │ slot 0 │ slot 1 │ … │ slot bs-1 │   K (or V) for all heads: [H, D]
+    physical block 1 │ slot 0 │ slot 1 │ … │ slot bs-1 │   K (or V) for all K/V heads: [Hkv, D]
     …
 
 A token's slot number is `block_id * block_size + offset`, so a flat view of the pool
-`[num_blocks * block_size, H, D]` is indexed by slot directly. One block id covers all
+`[num_blocks * block_size, Hkv, D]` is indexed by slot directly. With grouped-query attention
+(Llama, Qwen, Mistral) Hkv = num_key_value_heads is a fraction of the query heads, and so is the pool:
+the same memory holds H / Hkv times more tokens. GPT-2 has Hkv = H. One block id covers all
 layers: the block manager hands out ids, every layer's pool uses the same ones.
 
 The model runner owns these tensors; nobody else holds them. A second pool of the same layout lives in
@@ -19,19 +21,22 @@ from __future__ import annotations
 
 import torch
 
-from roseinfer.model_executor.gpt2 import KV, GPT2Config
+from roseinfer.model_executor.registry import ModelConfigType
+
+KV = tuple[torch.Tensor, torch.Tensor]  # one layer's (K pool, V pool), each [num_blocks, block_size, Hkv, D]
 
 
-def bytes_per_block(config: GPT2Config, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
-    """K and V, all layers, `block_size` tokens: 2 · n_layer · block_size · n_embd · itemsize (on one rank of
-    `tp_size`, which holds n_head / tp_size of the heads: 1 / tp_size of that)."""
-    return 2 * config.n_layer * block_size * config.n_embd * dtype.itemsize // tp_size
+def bytes_per_block(config: ModelConfigType, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """K and V, all layers, `block_size` tokens: 2 · layers · block_size · Hkv · head_dim · itemsize (on one
+    rank of `tp_size`, which holds Hkv / tp_size of the K/V heads: 1 / tp_size of that)."""
+    per_token = config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    return 2 * per_token * block_size * dtype.itemsize // tp_size
 
 
 class KVCache:
     def __init__(
         self,
-        config: GPT2Config,
+        config: ModelConfigType,
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
@@ -39,11 +44,11 @@ class KVCache:
         host: bool = False,
         tp_size: int = 1,
     ):
-        """`tp_size`: this rank's pool holds only its n_head / tp_size heads.
+        """`tp_size`: this rank's pool holds only its num_key_value_heads / tp_size K/V heads.
         `host=True`: the swap pool, in CPU memory, pinned when the device is a GPU (so that copies
         to and from it can be asynchronous), and left uninitialised: a swap-out writes every block before
         it is read, and untouched pages of a large swap space cost no memory."""
-        shape = (num_blocks, block_size, config.n_head // tp_size, config.head_dim)
+        shape = (num_blocks, block_size, config.num_key_value_heads // tp_size, config.head_dim)
 
         def new() -> torch.Tensor:
             if host:
@@ -51,7 +56,7 @@ class KVCache:
             # zeros, not empty: the reference attention masks unused slots, but NaN garbage is a bad default
             return torch.zeros(shape, dtype=dtype, device=device)
 
-        self.layers: list[KV] = [(new(), new()) for _ in range(config.n_layer)]
+        self.layers: list[KV] = [(new(), new()) for _ in range(config.num_hidden_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
         self.nbytes = num_blocks * bytes_per_block(config, block_size, dtype, tp_size)
 

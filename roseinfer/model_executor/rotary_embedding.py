@@ -1,0 +1,76 @@
+"""Rotary position embeddings (RoPE): positions as rotations of q and k, applied before K is cached.
+
+GPT-2 adds a learned position vector to the token embedding once, at the bottom. Llama-family
+models instead rotate every query and key, in every layer, by an angle that grows with the
+token's position. Split a head's D features into D/2 pairs (feature i and i + D/2, the
+"rotate-half" layout Hugging Face uses); pair i turns by the angle pos · θ_i, where
+
+    θ_i = rope_theta ^ (-2i / D)        i = 0 .. D/2 - 1   (fast-turning pairs first, slow ones last)
+
+    [x_i      ]      [cos  -sin] [x_i      ]
+    [x_{i+D/2}]  ->  [sin   cos] [x_{i+D/2}]      angle = pos · θ_i
+
+A rotation by a and one by b leave q·k depending only on a - b, so attention sees *relative*
+positions. For the engine this means: K is rotated with its own position before it is written
+to the paged cache, and never touched again. Every later query is rotated with its position and
+reads the cached keys as they are.
+
+The cos/sin of a step's tokens are computed once per step, from their positions, and every layer
+uses them for its q and k.
+
+`rope_scaling` / `rope_parameters` of type "llama3" (Llama 3.1+) stretch the slow pairs for long
+contexts: wavelengths longer than original_max_position_embeddings / low_freq_factor are divided
+by `factor`, those shorter than .../ high_freq_factor are kept, and the band between is blended.
+"linear" divides every θ_i by `factor`. Other types are refused by name (llama_config.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """θ_i for i = 0 .. D/2 - 1, in fp32 (as transformers computes them), scaled as `scaling` says."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))  # [D/2]
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind != "llama3":
+        return inv_freq
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)  # long waves: stretched
+    smooth = (old_len / wavelen - low) / (high - low)  # 0 at the long end of the band, 1 at the short end
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    in_band = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+    return torch.where(in_band, blended, scaled)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """`forward(positions)` -> the (cos, sin) of a step's tokens, computed once per step and shared by every
+    layer; `apply_rotary(x, cos, sin)` rotates q or k with them. No table of the whole context is kept: a
+    step's N tokens cost N · D/2 products, the same fp32 products transformers computes."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
+        super().__init__()
+        self.register_buffer("inv_freq", inverse_frequencies(head_dim, theta, scaling), persistent=False)  # [D/2]
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [N] (or [B, T]) -> cos, sin [N, 1, D] (or [B, T, 1, D]) in `dtype`, broadcast over heads."""
+        angles = positions.float().unsqueeze(-1) * self.inv_freq  # [N, D/2]: pos · θ_i
+        angles = torch.cat((angles, angles), dim=-1).unsqueeze(-2)  # [N, 1, D]: pair i at features i and i + D/2
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, H, D] rotated pair by pair: x · cos + rotate_half(x) · sin."""
+    return x * cos + rotate_half(x) * sin
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [-x2, x1] on the last dim: the "-sin" and "sin" terms of each pair's rotation."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
