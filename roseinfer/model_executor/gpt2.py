@@ -58,6 +58,7 @@ class GPT2Config:
     num_key_value_heads = property(lambda self: self.n_head)  # every head has its own K/V
     max_position_embeddings = property(lambda self: self.n_positions)
     sliding_window = None
+    architecture = "GPT2LMHeadModel"  # the class config.json names (registry.py)
 
     @classmethod
     def from_hf(cls, hf: dict) -> GPT2Config:

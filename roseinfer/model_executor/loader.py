@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from roseinfer.model_executor.onednn_linear import resolve_linear_backend
-from roseinfer.model_executor.registry import MODELS, ModelConfigType, architecture_of, get_model_spec
+from roseinfer.model_executor.registry import ModelConfigType, architecture_of, get_model_spec, model_class_of
 
 DEFAULT_MODEL = str(Path(__file__).parent.parent / "models" / "tiny-shakespeare")
 
@@ -100,7 +100,7 @@ def load_model(model_dir: Path, cfg: ModelConfigType, device: torch.device, dtyp
     roseinfer/model_executor/parallel_layers.py). `linear_backend` 'auto' or 'onednn' on a CPU: the linear
     layers' weights are also reordered for oneDNN (roseinfer/model_executor/onednn_linear.py)."""
     linear_backend = resolve_linear_backend(linear_backend, device, dtype)
-    model_class = MODELS[architecture_of(json.loads((model_dir / "config.json").read_text()))].model_class
+    model_class = model_class_of(cfg)
     ours = model_class.convert_state_dict(load_state_dict(model_dir), cfg, tp_rank, tp_size)
     net = model_class(cfg, tp_size)
     expected = net.state_dict()

@@ -55,3 +55,8 @@ def architecture_of(hf: dict) -> str:
 
 def get_model_spec(hf: dict) -> ModelSpec:
     return MODELS[architecture_of(hf)]
+
+
+def model_class_of(cfg: ModelConfigType) -> type[nn.Module]:
+    """The class that runs a config read by `get_model_spec(...).read_config`."""
+    return MODELS[cfg.architecture].model_class

@@ -31,7 +31,6 @@ vLLM's detokenizer gives (it decodes after the prompt's last tokens), `decode(pr
 from __future__ import annotations
 
 import functools
-import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +39,7 @@ from roseinfer.tokenizer.hf_tokenizer import byte_decoder
 from roseinfer.tokenizer.tokenizer_config import (
     extra_special_tokens,
     load_chat_template,
+    read_json,
     read_tokenizer_config,
     special_tokens_map,
 )
@@ -77,10 +77,7 @@ class FastTokenizer:
             from tokenizers import Tokenizer as HFTokenizer
         except ImportError as e:
             raise ImportError(f"{path} needs the `tokenizers` library: pip install tokenizers") from e
-        try:
-            j = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON ({e})") from e
+        j = read_json(path)
         kind = (j.get("model") or {}).get("type")
         if kind != "BPE":  # WordPiece's "##", Unigram: not the two kinds of vocabulary this reads
             raise ValueError(f"{path}: model.type={kind!r} is not supported (BPE: byte-level or SentencePiece)")

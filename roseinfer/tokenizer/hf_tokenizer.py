@@ -18,10 +18,11 @@ ids, after checking that they follow merge order, which is what makes a rank a p
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+from roseinfer.tokenizer.tokenizer_config import read_json, read_tokenizer_config, token_content
 
 EOT = "<|endoftext|>"
 Merges = list[tuple[str, str]]
@@ -43,7 +44,7 @@ def load_gpt2_bpe(model_dir: Path) -> tuple[dict[bytes, int], dict[str, int], st
     config = _read_tokenizer_config(model_dir / "tokenizer_config.json")
     if vocab_path.exists() and merges_path.exists():
         source = "vocab.json + merges.txt"
-        vocab, merges = _read_json(vocab_path), read_merges(merges_path.read_text(encoding="utf-8"))
+        vocab, merges = read_json(vocab_path), read_merges(merges_path.read_text(encoding="utf-8"))
         if tj is not None and (tj["model"]["vocab"] != vocab or _merges(tj) != merges):
             raise ValueError(f"{model_dir}: vocab.json/merges.txt and tokenizer.json hold different vocabularies")
     elif tj is not None:
@@ -120,16 +121,16 @@ def special_tokens(vocab: dict[str, int], added: list[dict], config: dict) -> di
             raise ValueError(f"added token {t['content']!r} sets {flags}; only plain added tokens are supported")
         specials[t["content"]] = t["id"]
     for key in ("unk_token", "bos_token", "eos_token", "pad_token"):
-        name = _content(config.get(key, None if key == "pad_token" else EOT))
+        name = token_content(config.get(key, None if key == "pad_token" else EOT))
         if name is not None and name not in specials:
             top = max(specials.values(), default=-1)
             specials[name] = vocab[name] if name in vocab else (top + 1 if top >= len(vocab) else len(vocab))
-    listed = {_content(t): int(i) for i, t in (config.get("added_tokens_decoder") or {}).items()}
+    listed = {token_content(t): int(i) for i, t in (config.get("added_tokens_decoder") or {}).items()}
     for key in ("additional_special_tokens", "extra_special_tokens"):
         extra = config.get(key) or []
         if not isinstance(extra, list):
             raise ValueError(f"tokenizer_config.json: {key} as a {type(extra).__name__} is not supported")
-        listed.update({_content(t): specials.get(_content(t)) for t in extra})
+        listed.update({token_content(t): specials.get(token_content(t)) for t in extra})
     for name, i in listed.items():
         if name not in specials or (i is not None and specials[name] != i):
             raise ValueError(f"tokenizer_config.json lists the added token {name!r} (id {i}) but tokenizer.json "
@@ -151,7 +152,7 @@ def is_gpt2_tokenizer_json(path: Path) -> bool:
 def _read_tokenizer_json(path: Path) -> dict:
     """tokenizer.json, refused unless it is GPT-2's pipeline: no normalizer, ByteLevel split with
     GPT-2's regex and no prefix space, plain BPE, a post-processor that adds no tokens."""
-    j = _read_json(path)
+    j = read_json(path)
     m, pre, post = j.get("model") or {}, j.get("pre_tokenizer") or {}, j.get("post_processor")
     checks = [
         (m.get("type") != "BPE", f"model.type={m.get('type')!r}"),
@@ -172,7 +173,7 @@ def _read_tokenizer_json(path: Path) -> dict:
 
 
 def _read_tokenizer_config(path: Path) -> dict:
-    config = _read_json(path) if path.exists() else {}
+    config = read_tokenizer_config(path.parent)
     for key in ("add_prefix_space", "add_bos_token", "add_eos_token"):
         if config.get(key):
             raise ValueError(f"{path}: {key}=true is not supported (it changes the token ids of every prompt)")
@@ -203,17 +204,6 @@ def _to_bytes(token: str, dec: dict[str, int]) -> bytes:
         return bytes(dec[c] for c in token)
     except KeyError:
         raise ValueError(f"token {token!r} is not written in GPT-2's byte alphabet") from None
-
-
-def _content(token) -> str | None:
-    return token.get("content") if isinstance(token, dict) else token
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e})") from e
 
 
 def _sha256(path: Path) -> str:

@@ -22,15 +22,20 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"
 CHAT_TEMPLATE_DIR = "additional_chat_templates"
 
 
+def read_json(path: Path):
+    """A tokenizer file's JSON; a ValueError naming the file if it is not valid JSON."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from e
+
+
 def read_tokenizer_config(model_dir: Path) -> dict:
     """tokenizer_config.json as a dict ({} if the directory has none)."""
     path = Path(model_dir) / "tokenizer_config.json"
     if not path.exists():
         return {}
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e})") from e
+    config = read_json(path)
     if not isinstance(config, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}")
     return config
