@@ -101,14 +101,18 @@ def measure_engine(engine: str, cfg: ServerConfig, rates: list[float], args, log
             print(format_row(engine, row), flush=True)
             return row
 
-        for rate in sorted(rates):
-            if not measure(rate)["sustained"] and not args.full_sweep:
-                break
-        for _ in range(args.search_steps):
-            rate = next_rate(rows, args.resolution)
-            if rate is None or any(r["rate"] == rate for r in rows):
-                break
-            measure(rate)
+        try:
+            for rate in sorted(rates):
+                if not measure(rate)["sustained"] and not args.full_sweep:
+                    break
+            for _ in range(args.search_steps):
+                rate = next_rate(rows, args.resolution)
+                if rate is None or any(r["rate"] == rate for r in rows):
+                    break
+                measure(rate)
+        except RuntimeError as e:  # the probe failed: the server is wedged; keep what was measured
+            record["error"] = str(e)[:2000]
+            print(f"  {engine}: stopped: {e}", flush=True)
     record["wall_s"] = time.perf_counter() - t0
     record |= capacity(rows)
     at = [r for r in rows if r["rate"] == record["capacity_req_s"] and r["sustained"]]
@@ -199,6 +203,10 @@ def plot(doc: dict, path: Path) -> None:
                         label=name)[0]  # fmt: skip
         ax2.plot([r["rate"] for r in rows], [r["p99_ttft_ms"] / 1e3 for r in rows], "o-", color=line.get_color(),
                  label=name)  # fmt: skip
+        bad = [r for r in rows if not r["sustained"]]  # rates not sustained: hollow markers
+        for ax, x, y in ((ax1, "offered_output_tok_s", "achieved_output_tok_s"), (ax2, "rate", "p99_ttft_ms")):
+            scale = 1e3 if y == "p99_ttft_ms" else 1.0
+            ax.plot([r[x] for r in bad], [r[y] / scale for r in bad], "o", color="white", markersize=4)
     crit = doc["settings"]
     ax1.plot([0, top], [0, top], color="gray", lw=0.8, label="achieved = offered")
     ax1.plot([0, top], [0, crit["min_ratio"] * top], color="gray", lw=0.8, ls="--", label=f"{crit['min_ratio']:.0%}")
@@ -207,7 +215,8 @@ def plot(doc: dict, path: Path) -> None:
     ax2.set(xlabel="offered rate (req/s, Poisson)", ylabel="p99 TTFT (s)", title="time to first token", yscale="log")
     for ax in (ax1, ax2):
         ax.legend(fontsize=8)
-    fig.suptitle(f"{crit['duration_s']:g} s per rate, {doc['environment']['threads']} threads", fontsize=9)
+    fig.suptitle(f"{crit['duration_s']:g} s per rate, {doc['environment']['threads']} threads; hollow: not sustained",
+                 fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
@@ -309,9 +318,10 @@ def to_json(doc):
         return [to_json(v) for v in doc]
     if isinstance(doc, float) and not math.isfinite(doc):
         return json_safe({"v": doc})["v"]
-    if isinstance(doc, (str, Path)) and str(doc).startswith(f"{REPO}/"):
-        return os.path.relpath(doc, REPO)  # no local paths in a data file: paths inside the checkout are relative
-    return str(doc) if isinstance(doc, Path) else doc
+    if isinstance(doc, (str, Path)):  # no local paths in a data file: the checkout's own are made relative
+        text = str(doc).replace(f"{REPO}/", "")
+        return "." if text == str(REPO) else text
+    return doc
 
 
 if __name__ == "__main__":

@@ -16,6 +16,11 @@ Requests are greedy and do not send `ignore_eos` (transformers serve refuses it)
 same weights, so they generate the same tokens. Below its saturation a server's output tok/s is just the
 offered load (rate x mean output length), so the summary compares what each server *sustains*: its
 highest measured rate with p99 TTFT under 2 s, and the output tok/s there.
+
+This is a latency curve, not a capacity measurement: a rate gets at most --max-requests requests (200 are 8 s
+at 24 req/s, too short for a queue to show), and tok/s here is tokens / (arrivals + drain). For the highest rate a
+server sustains, held for a fixed time and judged on achieved against offered throughput as well as p99 TTFT,
+use scripts/serving_capacity.py.
 """
 
 from __future__ import annotations
