@@ -13,8 +13,10 @@ One rate, in time from the first arrival (open loop: arrivals follow the schedul
 
 - Measured requests: the ones that ARRIVE in [W, T). The first W seconds (default 10% of T) only fill the
   server (running batch, queues, allocator pools); their requests load it but are not counted.
-- Offered output load: the tokens the measured requests ask for (sum of max_tokens) / (T - W), in tok/s;
-  offered req/s is their number / (T - W), the nominal rate up to Poisson noise.
+- Offered output load: the tokens the measured requests ask for / (T - W), in tok/s: max_tokens each, or the
+  tokens it got for a request that completed early at an end-of-sequence token (the server owed no more; only
+  servers that refuse `ignore_eos` do that, and the rows count such requests as "short"). Offered req/s is
+  their number / (T - W), the nominal rate up to Poisson noise.
 - Achieved output throughput: the tokens the server streamed back during [W, T), to any request, / (T - W).
   At a steady state what flows out is what flows in, so achieved = offered; a server that cannot keep up builds
   a queue and streams at its capacity, below the offered load. (Tokens / time until the last request finished
@@ -103,6 +105,10 @@ class Sent:
             times.append(times[-1] + gap)
         return times
 
+    def asked(self) -> int:
+        """The tokens this request asked for: max_tokens, or what it got if it completed early (EOS)."""
+        return min(self.max_tokens, self.result.output_tokens) if self.result.ok else self.max_tokens
+
     def tokens_per_chunk(self) -> float:
         n = 1 + len(self.result.itl) if self.result.ttft is not None else 0
         return self.result.output_tokens / n if self.result.ok and n else 1.0
@@ -153,7 +159,7 @@ def window_row(sent: list[Sent], rate: float, duration: float, warmup: float, gr
     itl = [g for s in measured if not s.failed for g in s.result.itl]
     e2e = [s.result.latency for s in done]
     ends = [s.arrival + s.result.latency for s in sent]
-    offered = sum(s.max_tokens for s in measured) / span
+    offered = sum(s.asked() for s in measured) / span
     row: dict = {
         "rate": rate,
         "duration_s": duration,

@@ -83,14 +83,15 @@ def test_failed_requests_are_apart_and_fail_the_rate():
     assert judge(r, Criteria(min_ratio=0.0, max_failed_frac=0.2)) == []
 
 
-def test_requests_that_end_early_are_short_and_usage_spreads_over_chunks():
-    s = streamed(0.0, 0.1, 5, 0.1, max_tokens=8)  # EOS after 5 of 8
+def test_requests_that_end_early_are_short_and_owe_no_more_tokens():
+    s = streamed(0.0, 0.1, 5, 0.1, max_tokens=8)  # EOS after 5 of 8 tokens, all streamed by 0.5 s
+    r = window_row([s], rate=1.0, duration=2.0, warmup=0.0, grace=1.0)
+    assert r["short"] == 1
+    assert r["offered_output_tok_s"] == pytest.approx(5 / 2.0) and r["achieved_ratio"] == pytest.approx(1.0)
     s.result.output_tokens = 10  # usage says 10 tokens in 5 chunks: 2 per chunk
     r = window_row([s], rate=1.0, duration=2.0, warmup=0.0, grace=1.0)
-    assert r["short"] == 0  # 10 >= 8
+    assert r["short"] == 0 and r["offered_output_tok_s"] == pytest.approx(8 / 2.0)
     assert r["achieved_output_tok_s"] == pytest.approx(10 / 2.0)
-    s.result.output_tokens = 5
-    assert window_row([s], rate=1.0, duration=2.0, warmup=0.0, grace=1.0)["short"] == 1
 
 
 def test_window_checks_its_arguments():
@@ -141,13 +142,13 @@ def test_next_rate_brackets_then_bisects():
 
 
 # ------------------------------------------------------------------------------------------------ end to end, tiny
-def test_a_two_second_window_against_roseinfer_serve_and_a_clean_stop():
+def test_a_two_second_window_against_roseinfer_serve_and_a_clean_stop(tmp_path):
     from serving_peers import Server, ServerConfig, free_port, group_members, server_spec
 
     port = free_port()
     spec = server_spec("roseinfer", port, ServerConfig(threads=1, kv_cache_bytes=64 * 2**20))
     wl = Workload(input_len=(4, 8), output_len=(4, 8), seed=3)
-    with Server(spec, port, REPO / "results" / "test-logs" / "roseinfer.log") as server:
+    with Server(spec, port, tmp_path / "roseinfer.log") as server:
         pgid = server.proc.pid
         sent = asyncio.run(run_window(server.base_url, spec.model, 4.0, 2.0, 60.0, wl, spec.ignore_eos))
         again = asyncio.run(run_window(server.base_url, spec.model, 4.0, 2.0, 60.0, wl, spec.ignore_eos))
