@@ -20,6 +20,9 @@ get it so that every request generates max_tokens tokens; transformers serve ref
 requests that ended early ("short").
 
 The load generator runs on the same machine and costs the server CPU time; it does the same work for every engine.
+vLLM's CPU build pins its --threads OpenMP threads to cores 0..threads-1 (VLLM_CPU_OMP_THREADS_BIND; one you set
+is kept, and recorded with the engine's environment in the JSON); its API server and engine-core processes run
+beside them.
 
 Output: a table per engine, the capacity of each (lead line), the ratios roseinfer / peer at the same bound, and a
 JSON file (environment, settings, every rate's numbers, capacities, ratios) after every engine; --plot draws
@@ -163,7 +166,9 @@ def table(doc: dict) -> str:
             lines.append(f"{name:12s} skipped: {rec['skipped']}")
             continue
         cap, hi = rec["capacity_req_s"], rec["first_unsustained_req_s"]
-        if cap is None:
+        if cap is None and hi is None:
+            what = f"unknown: no rate measured ({rec.get('error', '')[:200]})"
+        elif cap is None:
             what = f"< {hi:g} req/s (the lowest rate measured was not sustained)"
         else:
             what = f"{cap:g} req/s ({rec['capacity_output_tok_s']:.1f} output tok/s)"
