@@ -14,9 +14,10 @@ it moves, and the copy doubles them. This kernel walks each row's block table in
 
 Every K and V vector is read once, from where the pool holds it; nothing is copied or padded. It is
 PyTorch's C++ extension API, built once with the machine's compiler the first time it is used
-(`torch.utils.cpp_extension.load_inline`, cached under ~/.cache/torch_extensions), `-march=native` so the
-loops over the head dimension use the CPU's vector units. Prefill chunks still go through SDPA
-(`sdpa.py`): many queries per request make them GEMM-shaped, which its flash kernel does well.
+(`torch.utils.cpp_extension.load_inline`, cached under ~/.cache/torch_extensions under a name that carries a
+hash of the source), `-march=native` so the loops over the head dimension use the CPU's vector units.
+Prefill chunks still go through SDPA (`sdpa.py`): many queries per request make them GEMM-shaped, which its
+flash kernel does well.
 
 Grouped-query attention (Hkv = H / G K/V heads, query head h reads K/V head h // G): the G query heads of
 a group come one after the other, the first reads the K/V vector from memory, the others from the core's
@@ -27,6 +28,7 @@ G = 1 is MHA: the same loops, the same results to the bit.
 from __future__ import annotations
 
 import functools
+import hashlib
 import warnings
 
 import torch
@@ -135,7 +137,10 @@ def load_kernel():
     try:
         from torch.utils.cpp_extension import load_inline
 
-        return load_inline(name="roseinfer_cpu_paged_decode", cpp_sources=_SOURCE, functions=["paged_decode"],
+        # the name carries a hash of the source: a checkout of another stage (another source) builds its own
+        # module instead of loading, or overwriting, this one from the shared build cache
+        name = f"roseinfer_cpu_paged_decode_{hashlib.sha256(_SOURCE.encode()).hexdigest()[:12]}"
+        return load_inline(name=name, cpp_sources=_SOURCE, functions=["paged_decode"],
                            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False)  # fmt: skip
     except Exception as e:  # no compiler, no ninja, headers missing ...
         warnings.warn(f"the CPU paged-attention kernel could not be built ({type(e).__name__}: {e}); decode "
