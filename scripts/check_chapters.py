@@ -574,6 +574,34 @@ def check_marks(doc: Document, name: str) -> list[str]:
     return failures
 
 
+def check_layout(doc: Document, name: str) -> list[str]:
+    """README.md's Layout block names every module of roseinfer/ (one line each), and only modules that exist."""
+    section = [b for b in doc.blocks if _section(doc, b.start) == "Layout" and b.lines and b.lines[0] == "roseinfer/"]
+    if not section:
+        return [f"{name}: no Layout block that starts with `roseinfer/`"]
+    listed: dict[str, int] = {}
+    stack: list[tuple[int, str]] = []
+    for number, line in enumerate(section[0].lines, start=section[0].start):
+        if not line.strip() or not re.match(r"\s*[\w.-]+(/[\w.-]+)*/?(\s|$)", line):
+            continue
+        indent, word = _indent(line), line.split()[0]
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path = "/".join([s for _, s in stack] + [word.rstrip("/")])
+        if word.endswith("/"):
+            stack.append((indent, word.rstrip("/")))
+        elif path.endswith(".py"):
+            listed[path] = number
+    def has_code(path: str) -> bool:  # a package's __init__.py with only its docstring is the folder itself
+        body = ast.parse((REPO / path).read_text(encoding="utf-8")).body
+        return not path.endswith("__init__.py") or len(body) > (1 if body and isinstance(body[0], ast.Expr) else 0)
+
+    modules = {p for p in git("ls-files", "roseinfer").split() if p.endswith(".py") and has_code(p)}
+    failures = [f"{name}:{section[0].start}: the Layout block does not list {m}" for m in sorted(modules - set(listed))]
+    failures += [f"{name}:{n}: the Layout block lists {p}, which is not a module" for p, n in listed.items() if p not in modules]
+    return failures
+
+
 def stage_of(chapter: Path) -> str:
     return chapter.parent.name  # NN-slug
 
@@ -627,7 +655,8 @@ def main(argv: list[str]) -> int:
         excerpts += sum(1 for b in code_blocks(chapter) if b.lines and HEADER.match(b.lines[0].strip()))
         failures += check_chapter(chapter, commits, files)
     if not args.chapters:
-        failures += check_words(read_document(REPO / "README.md"), "README.md")
+        readme = read_document(REPO / "README.md")
+        failures += check_words(readme, "README.md") + check_layout(readme, "README.md")
     for failure in failures:
         print(failure)
     print(f"{len(chapters)} chapters, {excerpts} excerpts, {len(failures)} failures")
