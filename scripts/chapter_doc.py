@@ -25,6 +25,7 @@ ELISION = "..."
 # `<!-- output: CMD -->` or `<!-- output (timed): CMD -->` on the last line before a fence
 OUTPUT_MARK = re.compile(r"^\s*<!--\s*output\s*(\(timed\))?\s*:\s*(.+?)\s*-->\s*$")
 SHELL = {"bash", "sh", "shell", "console"}
+LIST_ITEM = re.compile(r"^\s*(?:[-*+]|\d+\.)\s")
 
 
 @dataclass
@@ -61,15 +62,16 @@ class Document:
         return next((t[3:].strip() for n, t in reversed(self.prose) if n < line and t.startswith("## ")), "")
 
     def paragraph(self, line: int) -> str:
-        """The prose paragraph a line is in; for a line inside or at a block, the paragraph above the block."""
+        """The prose paragraph a line is in (in a list, its item); for a line inside or at a block, the
+        paragraph above the block."""
         text = dict(self.prose)
         start = (
             line if text.get(line, "").strip() else max((n for n in text if n < line and text[n].strip()), default=0)
         )
         first = last = start
-        while text.get(first - 1, "").strip():
+        while text.get(first - 1, "").strip() and not LIST_ITEM.match(text[first]):
             first -= 1
-        while text.get(last + 1, "").strip():
+        while text.get(last + 1, "").strip() and not LIST_ITEM.match(text[last + 1]):
             last += 1
         return " ".join(text[n] for n in range(first, last + 1) if n in text)
 
