@@ -14,8 +14,7 @@ it moves, and the copy doubles them. This kernel walks each row's block table in
 
 Every K and V vector is read once, from where the pool holds it; nothing is copied or padded. It is
 PyTorch's C++ extension API, built once with the machine's compiler the first time it is used
-(`torch.utils.cpp_extension.load_inline`, cached under ~/.cache/torch_extensions in a folder named by a hash
-of the source and flags, so two versions of the kernel never share a build), `-march=native` so the
+(`torch.utils.cpp_extension.load_inline`, cached under ~/.cache/torch_extensions), `-march=native` so the
 loops over the head dimension use the CPU's vector units. Prefill chunks still go through SDPA
 (`sdpa.py`): many queries per request make them GEMM-shaped, which its flash kernel does well.
 
@@ -28,7 +27,6 @@ G = 1 is MHA: the same loops, the same results to the bit.
 from __future__ import annotations
 
 import functools
-import hashlib
 import warnings
 
 import torch
@@ -131,25 +129,14 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 """
 
 
-_CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
-
-
-def kernel_name() -> str:
-    """The extension's name, and its build folder's: it changes with the source and flags. torch rebuilds a
-    folder whose source changed, but two processes that build different sources under one name at once (two
-    checkouts of the repo) can leave one's library next to the other's source, and every later process then
-    loads the wrong kernel."""
-    return "roseinfer_cpu_paged_decode_" + hashlib.sha256((_SOURCE + " ".join(_CFLAGS)).encode()).hexdigest()[:16]
-
-
 @functools.cache
 def load_kernel():
     """Build (first time) and load the C++ kernel; None, with a warning, where it cannot be built."""
     try:
         from torch.utils.cpp_extension import load_inline
 
-        return load_inline(name=kernel_name(), cpp_sources=_SOURCE, functions=["paged_decode"], extra_cflags=_CFLAGS,
-                           verbose=False)  # fmt: skip
+        return load_inline(name="roseinfer_cpu_paged_decode", cpp_sources=_SOURCE, functions=["paged_decode"],
+                           extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False)  # fmt: skip
     except Exception as e:  # no compiler, no ninja, headers missing ...
         warnings.warn(f"the CPU paged-attention kernel could not be built ({type(e).__name__}: {e}); decode "
                       f"attention on the CPU falls back to block gathers + SDPA", stacklevel=2)  # fmt: skip
