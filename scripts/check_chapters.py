@@ -1,168 +1,100 @@
-"""Check that every code excerpt in a chapter is really in the code of that chapter's stage.
+"""Check that a chapter says only what the code, tests and scripts of its stage bear out.
 
-    python scripts/check_chapters.py              # every chapters/NN-slug/README.md
-    python scripts/check_chapters.py chapters/03-offline-scheduler/README.md
+    python scripts/check_chapters.py                  # every chapters/NN-slug/README.md, and README.md
+    python scripts/check_chapters.py 03 chapters/04-kv-block-manager/README.md
+    python scripts/check_chapters.py --outputs 01 03  # slow: rerun the marked outputs of chapters 01 and 03
 
-The convention. A fenced code block (any language) whose FIRST line is a comment naming a repo
-file, such as `# roseinfer/engine.py`, is an excerpt of that file:
+A chapter is checked against its stage: the commit whose trailer is `Stage: NN-slug` for `chapters/NN-slug/`
+(found in `git log` as scripts/tag_stages.sh does, so no tags are needed); a chapter whose stage has no commit
+yet, against the working tree. Files are read with `git show`, so the default mode takes seconds.
 
-- every other non-blank line, stripped of leading and trailing whitespace, must equal some
-  line of that file (also stripped); a line that is exactly `...` or `# ...` marks an elision
-  and is skipped;
-- in a ```diff block, a line starting with `+` or ` ` (after removing that one-character
-  prefix) must be in the file at the chapter's stage, a line starting with `-` must be in the
-  file at the previous stage, and `@@` lines are skipped.
+| what        | the rule                                                              | where             |
+|-------------|-----------------------------------------------------------------------|-------------------|
+| excerpts    | a block whose first line names a file (`# roseinfer/engine.py`) is a  | chapter_excerpts  |
+|             | contiguous run of that file, in order; a line that is only `...` is   |                   |
+|             | the one way to leave lines out; a ```diff block's `-` lines are the   |                   |
+|             | previous stage's                                                      |                   |
+| names       | every test named (`test_x`, `tests/test_f.py::test_x`, `-k` words),   | chapter_names     |
+|             | script run (`./x.sh`, `python scripts/x.py`) and `stage-NN-slug`      |                   |
+|             | exists at the stage                                                   |                   |
+| words       | no goal-talk or placeholders in the prose, no local paths; output     | chapter_words     |
+|             | marks name a command shown above them; README.md's Layout block lists |                   |
+|             | every module                                                          |                   |
+| outputs     | `<!-- output: CMD -->` before a block: rerun CMD at the stage and     | chapter_outputs   |
+|             | compare (`--outputs` only)                                            |                   |
 
-The file is read at the chapter's stage: the commit whose trailer is `Stage: NN-slug` for
-`chapters/NN-slug/` (found in `git log` like scripts/tag_stages.sh does, so no tags are needed).
-A chapter whose stage has no commit yet is checked against the working tree. The previous stage
-is the highest-numbered stage below NN that has a commit.
-
-Every failing line is printed with its chapter, line number and file; the exit status is 1 if
-any line fails.
+Each module's docstring has its rules in full. Every failure is printed as `file:line: why`; the exit status
+is 1 if there is any.
 """
 
 from __future__ import annotations
 
+import argparse
 import re
-import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-FENCE = re.compile(r"^\s*(`{3,})\s*([\w+-]*)")
-# `# roseinfer/engine.py`: one path-like word (a folder or a file extension) and nothing else
-HEADER = re.compile(r"^#\s*((?:[\w.-]+/)*[\w.-]*\w\.\w+|(?:[\w.-]+/)+[\w.-]+)\s*$")
-ELISIONS = {"...", "# ..."}
+from chapter_doc import REPO, Block, Snapshots, previous_commit, read_document, stage_commits
+from chapter_excerpts import check_excerpts, match_excerpt
+from chapter_names import check_names
+from chapter_words import check_layout, check_marks, check_words, goal_talk
 
-
-@dataclass
-class Block:
-    chapter: Path
-    start: int  # 1-based line number, in the chapter, of the block's first content line
-    lang: str
-    lines: list[str]
-
-
-def git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=REPO, check=True, capture_output=True, text=True).stdout
-
-
-def stage_commits() -> dict[str, str]:
-    """`NN-slug` -> commit, from the `Stage:` trailers in HEAD's history (newest wins)."""
-    out = git("log", "--format=%H%x09%(trailers:key=Stage,valueonly,separator=%x2C)", "HEAD")
-    commits: dict[str, str] = {}
-    for line in out.splitlines():
-        sha, _, stages = line.partition("\t")
-        for stage in stages.split(","):
-            if stage.strip():
-                commits.setdefault(stage.strip(), sha)
-    return commits
-
-
-class Snapshots:
-    """Lines of repo files at a commit (None = the working tree), read once each."""
-
-    def __init__(self) -> None:
-        self._cache: dict[tuple[str | None, str], set[str] | None] = {}
-
-    def lines(self, commit: str | None, path: str) -> set[str] | None:
-        key = (commit, path)
-        if key not in self._cache:
-            self._cache[key] = self._read(commit, path)
-        return self._cache[key]
-
-    @staticmethod
-    def _read(commit: str | None, path: str) -> set[str] | None:
-        if commit is None:
-            file = REPO / path
-            text = file.read_text(encoding="utf-8") if file.is_file() else None
-        else:
-            proc = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=REPO, capture_output=True)
-            text = proc.stdout.decode("utf-8") if proc.returncode == 0 else None
-        return None if text is None else {line.strip() for line in text.splitlines()}
+__all__ = ["Snapshots", "check_chapter", "code_blocks", "goal_talk", "main", "match_excerpt", "stage_commits"]
 
 
 def code_blocks(chapter: Path) -> list[Block]:
-    blocks: list[Block] = []
-    current: Block | None = None
-    fence = ""
-    indent = 0  # a fence indented inside a list item: its lines carry that indentation too
-    for number, line in enumerate(chapter.read_text(encoding="utf-8").splitlines(), start=1):
-        m = FENCE.match(line)
-        if current is None:
-            if m:
-                fence, current = m.group(1), Block(chapter, number + 1, m.group(2).lower(), [])
-                indent = len(line) - len(line.lstrip(" "))
-        elif m and line.strip() == m.group(1) and m.group(1).startswith(fence):
-            blocks.append(current)
-            current = None
-        else:
-            drop = min(indent, len(line) - len(line.lstrip(" ")))
-            current.lines.append(line[drop:])
-    return blocks
+    return read_document(chapter).blocks
 
 
 def check_chapter(chapter: Path, commits: dict[str, str], files: Snapshots) -> list[str]:
-    """Every failing excerpt line of one chapter, as `chapter:line: file: why`."""
+    """Every failure of one chapter (all but its outputs), as `chapter:line: why`."""
+    doc = read_document(chapter)
     stage = chapter.parent.name  # NN-slug
-    commit = commits.get(stage)
-    number = int(stage.split("-", 1)[0])
-    below = sorted((int(s.split("-", 1)[0]), c) for s, c in commits.items() if int(s.split("-", 1)[0]) < number)
-    previous = below[-1][1] if below else None
-    where = commit[:10] if commit else "the working tree"
-    name = chapter.relative_to(REPO) if chapter.is_relative_to(REPO) else chapter
-    failures: list[str] = []
-    for block in code_blocks(chapter):
-        if not block.lines:
-            continue
-        m = HEADER.match(block.lines[0].strip())
-        if not m:
-            continue
-        path = m.group(1)
-        now = files.lines(commit, path)
-        if now is None:
-            failures.append(f"{name}:{block.start}: {path} does not exist at stage {stage} ({where})")
-            continue
-        for offset, raw in enumerate(block.lines[1:], start=1):
-            at = f"{name}:{block.start + offset}: {path}"
-            if not raw.strip():
-                continue
-            want, side, label = raw, now, f"stage {stage} ({where})"
-            if block.lang == "diff":
-                if raw.startswith("@@"):
-                    continue
-                if raw[:1] in "+ -":
-                    want = raw[1:]
-                if raw.startswith("-"):
-                    if previous is None:
-                        failures.append(f"{at}: a removed line, but no stage comes before {stage}")
-                        continue
-                    side = files.lines(previous, path)
-                    label = f"the previous stage ({previous[:10]})"
-                    if side is None:
-                        failures.append(f"{at}: the file does not exist at {label}")
-                        continue
-            want = want.strip()
-            if not want or want in ELISIONS:
-                continue
-            if want not in side:
-                failures.append(f"{at}: not in the file at {label}: {want}")
-    return failures
+    return (
+        check_excerpts(doc, stage, commits.get(stage), previous_commit(stage, commits), files)
+        + check_names(doc, stage, commits, files)
+        + check_words(doc)
+        + check_marks(doc)
+    )
+
+
+def chapter_paths(args: list[str]) -> list[Path]:
+    """`chapters/NN-x/README.md`, `chapters/NN-x` or `NN`; none: every chapter."""
+    every = sorted(REPO.glob("chapters/[0-9][0-9]-*/README.md"))
+    out: list[Path] = []
+    for arg in args:
+        if re.fullmatch(r"\d\d?", arg):
+            out += [c for c in every if c.parent.name.startswith(f"{int(arg):02d}-")]
+        else:
+            path = Path(arg).resolve()
+            out.append(path / "README.md" if path.is_dir() else path)
+    return out or every
 
 
 def main(argv: list[str]) -> int:
-    chapters = [Path(a).resolve() for a in argv] or sorted(REPO.glob("chapters/[0-9][0-9]-*/README.md"))
-    commits, files = stage_commits(), Snapshots()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("chapters", nargs="*", help="chapter READMEs, folders or numbers (default: all)")
+    parser.add_argument("--outputs", action="store_true", help="rerun the marked outputs at their stage (slow)")
+    parser.add_argument("--workdir", type=Path, help="with --outputs: keep the stage worktrees in this folder")
+    parser.add_argument("--timeout", type=int, default=900, help="with --outputs: seconds per command")
+    args = parser.parse_args(argv)
+    chapters = chapter_paths(args.chapters)
+    commits = stage_commits()
+    if args.outputs:
+        import chapter_outputs
+
+        return chapter_outputs.main(chapters, commits, args.workdir, args.timeout)
+    files = Snapshots()
     failures: list[str] = []
-    excerpts = 0
     for chapter in chapters:
-        excerpts += sum(1 for b in code_blocks(chapter) if b.lines and HEADER.match(b.lines[0].strip()))
         failures += check_chapter(chapter, commits, files)
+    if not args.chapters:
+        readme = read_document(REPO / "README.md")
+        failures += check_words(readme) + check_marks(readme) + check_layout(readme)
+    excerpts = sum(1 for c in chapters for b in code_blocks(c) if b.excerpt_of)
     for failure in failures:
         print(failure)
-    print(f"{len(chapters)} chapters, {excerpts} excerpts, {len(failures)} failing lines")
+    print(f"{len(chapters)} chapters, {excerpts} excerpts, {len(failures)} failures")
     return 1 if failures else 0
 
 

@@ -155,8 +155,10 @@ MODELS = {  # name: (parameters, n_layer, n_embd)
     "7B (LLaMA-like)": (6.7e9, 32, 4096),
 }
 GPU = dict(hbm=3.35e12, flops=989e12)  # an H100 SXM: HBM bytes/s, dense fp16 FLOP/s
-LINKS = {  # name: (bytes/s, latency per all-reduce in s): assumed round figures
-    "NVLink 900 GB/s": (900e9, 10e-6),
+# A ring all-reduce sends and receives at once, so a link counts with its bandwidth in ONE direction: an H100's
+# NVLink moves 900 GB/s in both directions together, 450 GB/s each way; InfiniBand's 400 Gb/s is each way.
+LINKS = {  # name: (bytes/s each way, latency per all-reduce in s): assumed round figures
+    "NVLink 450 GB/s": (450e9, 10e-6),
     "IB 400 Gb/s": (50e9, 30e-6),
 }
 
@@ -178,7 +180,8 @@ def paper() -> None:
         f"\n3. on paper: one step, fp16, H100-class GPUs (HBM {GPU['hbm'] / 1e12:.2f} TB/s, "
         f"{GPU['flops'] / 1e12:.0f} TFLOP/s); all-reduce = α + 2(N-1)/N · bytes / bandwidth,"
     )
-    print("   α = 10 us over NVLink (900 GB/s), 30 us across nodes over InfiniBand (400 Gb/s = 50 GB/s)")  # fmt: skip
+    print("   α = 10 us over NVLink (450 GB/s each way, 900 both ways), 30 us across nodes over InfiniBand "
+          "(400 Gb/s = 50 GB/s each way)")  # fmt: skip
     print(f"{'model':<16} {'tokens':>6} {'link':<16} {'N':>2} {'compute ms':>11} {'all-reduce ms':>14} "
           f"{'step ms':>8} {'speedup':>8}")  # fmt: skip
     for name, (params, n_layer, n_embd) in MODELS.items():
@@ -193,7 +196,7 @@ def paper() -> None:
                           f"{(c + a) * 1e3:>8.3f} {base / (c + a):>7.2f}x")  # fmt: skip
     params, n_layer, n_embd = MODELS["7B (LLaMA-like)"]
     tp16 = sum(step_time(params, n_layer, n_embd, 32, 16, "IB 400 Gb/s"))
-    stage = sum(step_time(params / 2, n_layer // 2, n_embd, 32, 8, "NVLink 900 GB/s"))  # half the layers
+    stage = sum(step_time(params / 2, n_layer // 2, n_embd, 32, 8, "NVLink 450 GB/s"))  # half the layers
     p2p = LINKS["IB 400 Gb/s"][1] + 32 * n_embd * 2 / LINKS["IB 400 Gb/s"][0]  # ONE send of the activations
     print(f"\n7B, decode batch 32, 16 GPUs in 2 nodes of 8:\n"
           f"  TP 16 across the nodes:          {tp16 * 1e3:.3f} ms a step\n"
