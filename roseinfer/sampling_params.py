@@ -2,7 +2,19 @@
 
 Both are plain, checked data: the engine reads them, the model runner turns the numbers into per-row
 tensors of its batch (roseinfer/worker/input_batch.py), and the sampler (roseinfer/sample/sampler.py)
-does the maths for the whole batch at once.
+does the maths for the whole batch at once. What each knob does to a row of logits, in order:
+
+    logit_bias          logits[t] += bias[t]                                     (OpenAI's logit_bias)
+    min_tokens          EOS and stop_token_ids at -inf until min_tokens are out  (stop strings unchecked too)
+    repetition_penalty  every token of prompt or output: logit > 0 ? logit / p : logit * p    (HF's)
+    frequency_penalty   logits[t] -= frequency_penalty · (times t was generated)              (OpenAI's)
+    presence_penalty    logits[t] -= presence_penalty · (t was generated at all)
+    temperature         logits / T (greedy: argmax of the logits so far)
+    min_p               drop tokens with probability < min_p · the top token's probability
+    top_k, top_p        keep the k most likely / the smallest set with mass >= top_p
+
+`logprobs` / `prompt_logprobs` ask for the log-probabilities of the sampled / prompt tokens and of the N most
+likely tokens at each position: the model's own log-softmax, before any of the knobs above (as vLLM's default).
 
 `output_kind` (vLLM's RequestOutputKind) says what `LLMEngine.step()` hands back for a request:
 
@@ -23,6 +35,7 @@ from roseinfer.checks import is_int, is_number
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+MAX_LOGPROBS = 20  # most top log-probabilities per position (vLLM's default max_logprobs; OpenAI allows 20)
 
 
 class RequestOutputKind(enum.Enum):
@@ -40,11 +53,20 @@ class SamplingParams:
     top_p: float = 1.0  # keep the smallest set of tokens whose probability mass is >= top_p
     max_tokens: int = 16  # new tokens at most
     seed: int | None = None  # None = a fresh random stream
-    stop: list[str] = field(default_factory=list)  # stop strings (not included in the output)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # stop strings (cut from the text, see include_stop_str_in_output)
+    stop_token_ids: list[int] = field(default_factory=list)  # tokens that end a completion (they make no text)
     ignore_eos: bool = False  # keep going after EOS (benchmarks use it for exact lengths)
     n: int = 1  # completions per prompt: n sequences that share the prompt's KV blocks
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    presence_penalty: float = 0.0  # in [-2, 2]: minus this for every token generated at least once
+    frequency_penalty: float = 0.0  # in [-2, 2]: minus this times the number of times a token was generated
+    repetition_penalty: float = 1.0  # > 0: tokens of prompt or output are divided (logit > 0) or multiplied by it
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    min_tokens: int = 0  # EOS and stop_token_ids are impossible (stop strings unchecked) before this many tokens
+    min_p: float = 0.0  # in [0, 1]: drop tokens less likely than min_p times the most likely one
+    logprobs: int | None = None  # per generated token: its log-probability and the top `logprobs` (<= 20)
+    prompt_logprobs: int | None = None  # the same for every prompt token (the first has none)
+    include_stop_str_in_output: bool = False  # keep the stop string (or the stop token's text) in the text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,19 +92,52 @@ class SamplingParams:
             _check(isinstance(s, str) and s != "", f"stop must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check(is_int(t) and t >= 0, f"stop_token_ids must be ints >= 0, got {t!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _check(is_number(v) and -2 <= v <= 2, f"{name} must be a number in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        _check(is_number(r) and r > 0, f"repetition_penalty must be a number > 0 (1 = none), got {r!r}")
+        self.logit_bias = _check_logit_bias(self.logit_bias)
+        m = self.min_tokens
+        _check(is_int(m) and m >= 0, f"min_tokens must be an int >= 0, got {m!r}")
+        _check(not is_int(n) or m <= n, f"min_tokens ({m}) must not exceed max_tokens ({n})")
+        mp = self.min_p
+        _check(is_number(mp) and 0 <= mp <= 1, f"min_p must be a number in [0, 1], got {mp!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            _check(v is None or (is_int(v) and 0 <= v <= MAX_LOGPROBS),
+                   f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {v!r}")  # fmt: skip
+        inc = self.include_stop_str_in_output
+        _check(isinstance(inc, bool), f"include_stop_str_in_output must be True or False, got {inc!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
 
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def uses_logits_processors(self) -> bool:
+        """Anything besides temperature, top-k and top-p that changes the logits (sample/logits_processor.py)."""
+        return self.uses_penalties or bool(self.logit_bias) or self.min_tokens > 0 or self.min_p > 0
+
+    @property
+    def may_speculate(self) -> bool:
+        """Speculative decoding (roseinfer/spec_decode/) runs only for requests that decode alone and plainly: one
+        completion, no logits processor, no log-probabilities. Any other request is served as usual, one token per
+        step, in the same batch: nothing is refused, its tokens are simply never drafted."""
+        return self.n == 1 and not self.uses_logits_processors and self.logprobs is None
+
     def make_generator(self, device: torch.device | str = "cpu", index: int = 0) -> torch.Generator | None:
-        """The random stream of completion `index` when `seed` is set: seeded with `seed + index`, so each of
-        n completions draws its own numbers, the same every run. None without a seed: the row then draws
-        from the sampler's shared stream, as every unseeded row of the batch does."""
+        """The random stream of completion `index` when `seed` is set: seeded with `derived_seed(seed, index)`,
+        so each of n completions draws its own numbers, the same every run. None without a seed: the row then
+        draws from the sampler's shared stream, as every unseeded row of the batch does."""
         if self.seed is None:
             return None
         g = torch.Generator(device=device)
-        g.manual_seed((self.seed + index) % 2**64 if self.seed >= 0 else _wrap(self.seed - index))
+        g.manual_seed(derived_seed(self.seed, index))
         return g
 
 
@@ -104,13 +159,40 @@ class BeamSearchParams:
         _check(isinstance(self.ignore_eos, bool), f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         _check(is_number(lp), f"length_penalty must be a finite number, got {lp!r}")
 
-    # what a beam reads where a sampling request reads its SamplingParams: a beam never samples or stops alone
+    # what a beam reads where a sampling request reads its SamplingParams: a beam never samples or stops alone,
+    # and no logits processor or log-probability request applies to it
     n, stop, stop_token_ids, output_kind = 1, (), (), RequestOutputKind.FINAL_ONLY
+    logprobs = prompt_logprobs = logit_bias = None
+    min_tokens, include_stop_str_in_output, uses_logits_processors, uses_penalties = 0, False, False, False
+    may_speculate = False
 
 
-def _wrap(seed: int) -> int:
-    """A negative seed minus an index may fall below -2**63; wrap it into the range torch accepts."""
-    return seed if seed >= SEED_RANGE[0] else seed % 2**64
+def derived_seed(seed: int, index: int) -> int:
+    """The seed of completion `index` of a request seeded with `seed`: (seed + index) mod 2**64, a number in
+    [0, 2**64) that torch.Generator.manual_seed always accepts, whatever the seed and however large n is.
+    A negative seed counts as its two's-complement value, as manual_seed reads it (so completion 0 draws
+    what a generator seeded with `seed` itself draws), and -1 + 1 wraps to 0."""
+    return (seed + index) % 2**64
+
+
+def _check_logit_bias(bias) -> dict[int, float] | None:
+    """{token id: bias}; keys may be ints or strings of ints (JSON object keys are strings). Ids are checked
+    against the vocabulary by the engine, which knows it (roseinfer/engine/input_processor.py)."""
+    if bias is None:
+        return None
+    _check(isinstance(bias, dict), f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")
+    out = {}
+    for k, v in bias.items():
+        key = k
+        if isinstance(k, str):
+            try:
+                key = int(k.strip())
+            except ValueError:
+                key = None
+        _check(is_int(key) and key >= 0, f"logit_bias keys must be token ids (ints >= 0), got {k!r}")
+        _check(is_number(v) and -100 <= v <= 100, f"logit_bias[{k!r}] must be a number in [-100, 100], got {v!r}")
+        out[key] = float(v)
+    return out
 
 
 def _check(ok: bool, msg: str) -> None:

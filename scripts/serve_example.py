@@ -6,7 +6,7 @@
 Starts `python -m roseinfer serve` on a free port of 127.0.0.1 and, with the official `openai` client:
 one completion, one streamed completion (each chunk printed with its arrival time), two prompts with
 n = 2 each, then a bad request (the HTTP status and OpenAI-shaped error), and the lines of /metrics about
-requests and KV blocks. The server is stopped at the end. For a server that stays up, use ./serve.sh.
+requests and the KV cache. The server is stopped at the end. For a server that stays up, use ./serve.sh.
 """
 
 from __future__ import annotations
@@ -75,13 +75,13 @@ def main() -> None:
         print("\n5. /metrics (some lines):")
         shown = (
             "num_requests",
-            "kv_blocks",
+            "kv_cache_usage_perc",
             "request_success",
             "time_to_first_token_seconds_count",
             "generation_tokens",
         )
         for line in lines:
-            if line.startswith(tuple(f"roseinfer:{name}" for name in shown)):
+            if line.startswith(tuple(f"vllm:{name}" for name in shown)):
                 print(f"   {line}")
     finally:
         server.terminate()

@@ -113,7 +113,7 @@ def rss_slope(samples: list[tuple[float, float]], fit_from: float = FIT_FROM) ->
 
 
 def scrape_metrics(url: str) -> list[str]:
-    """The Prometheus sample lines whose metric name mentions kv_blocks or num_requests."""
+    """The Prometheus sample lines whose metric name mentions kv_cache or num_requests."""
     resp = httpx.get(url, timeout=30.0)
     resp.raise_for_status()
     keep = []
@@ -121,7 +121,7 @@ def scrape_metrics(url: str) -> list[str]:
         if not line or line.startswith("#"):
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if "kv_blocks" in name or "num_requests" in name:
+        if "kv_cache" in name or "num_requests" in name:
             keep.append(line)
     return keep
 
@@ -279,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             lines = scrape_metrics(args.metrics_url)
             summary["metrics"] = lines
-            print(f"metrics from {args.metrics_url} (kv_blocks, num_requests):")
+            print(f"metrics from {args.metrics_url} (kv_cache, num_requests):")
             for line in lines or ["  (no such lines)"]:
                 print(f"  {line}")
         except httpx.HTTPError as e:

@@ -18,8 +18,8 @@ import uvicorn
 from conftest import PROMPTS, REPO, greedy_ids, run_python
 
 from roseinfer import LLMEngine, RequestOutputKind, SamplingParams
-from roseinfer.entrypoints.api_server import build_app
 from roseinfer.entrypoints.async_engine import AsyncLLMEngine
+from roseinfer.entrypoints.openai.api_server import build_app
 
 
 def free_port() -> int:
@@ -130,8 +130,8 @@ def test_the_engine_hands_the_server_only_each_steps_new_tokens(server, client, 
     engine, seen = server[1], []
     generate = engine.generate
 
-    async def recording(prompt, params, request_id=None):
-        async for out in generate(prompt, params, request_id=request_id):
+    async def recording(prompt, params, request_id=None, **kwargs):
+        async for out in generate(prompt, params, request_id=request_id, **kwargs):
             seen.append((params.output_kind, list(out.token_ids), out.text))
             yield out
 
@@ -148,15 +148,16 @@ def test_stop_strings_and_metrics(server, client):
     r = client.completions.create(model="roseinfer", prompt="Romeo.\n", max_tokens=40, temperature=0, stop=["."])
     assert "." not in r.choices[0].text and r.choices[0].finish_reason == "stop"
     text = httpx.get(server[0] + "/metrics").text
-    names = ["num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_blocks_used",
-             "kv_cache_usage_perc", "num_preemptions_total", "prefix_cache_hits_total",
-             "time_to_first_token_seconds_bucket", "time_per_output_token_seconds_count",
-             "e2e_request_latency_seconds_sum"]  # fmt: skip
+    names = ["num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc",
+             "num_preemptions_total", "prefix_cache_hits_total", "time_to_first_token_seconds_bucket",
+             "inter_token_latency_seconds_count", "e2e_request_latency_seconds_sum"]  # fmt: skip
     for name in names:
-        assert f"roseinfer:{name}" in text, name
-    count = [line for line in text.splitlines() if line.startswith("roseinfer:e2e_request_latency_seconds_count")]
+        assert f"vllm:{name}" in text, name
+    assert "roseinfer:" not in text  # vLLM's names only: a dashboard made for vLLM reads this server
+    count = [line for line in text.splitlines() if line.startswith("vllm:e2e_request_latency_seconds_count")]
     assert float(count[0].split()[-1]) >= 1
-    assert 'roseinfer:request_success_total{finished_reason="stop"' in text.replace('model_name="roseinfer",', "")
+    stop = [line for line in text.splitlines() if line.startswith("vllm:request_success_total") and '"stop"' in line]
+    assert float(stop[0].split()[-1]) >= 1
 
 
 # ---- bad input ------------------------------------------------------------------------------------------------
@@ -170,7 +171,7 @@ BAD = [
     ({"prompt": "a", "seed": "x"}, 400, "seed"),
     ({"prompt": "a", "stop": 5}, 400, "stop"),
     ({"prompt": "a", "stream": "yes"}, 400, "stream"),
-    ({"prompt": "a", "logprobs": 2}, 400, "logprobs"),
+    ({"prompt": "a", "best_of": 2}, 400, "best_of"),
     ({"prompt": "a", "frobnicate": 1}, 400, "frobnicate"),
     ({"max_tokens": 4}, 400, "prompt is required"),
     ({"prompt": ""}, 400, "empty"),
@@ -341,4 +342,4 @@ def test_roseinfer_serve_command_starts_and_answers():
 def test_serve_example_runs():
     r = run_python("scripts/serve_example.py", "--max-tokens", "6")
     assert r.returncode == 0, r.stderr
-    assert "HTTP 400" in r.stdout and "roseinfer:num_requests_running" in r.stdout and "server stopped" in r.stdout
+    assert "HTTP 400" in r.stdout and "vllm:num_requests_running" in r.stdout and "server stopped" in r.stdout

@@ -492,9 +492,12 @@ def test_the_server_speculates_streams_the_same_text_and_exports_the_counters(pl
         metrics = httpx.get(url + "/metrics").text
         stats = engine.engine.get_stats()
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-            line = next(x for x in metrics.splitlines() if x.startswith(f"roseinfer:spec_decode_{name}_total"))
+            line = next(x for x in metrics.splitlines() if x.startswith(f"vllm:spec_decode_{name}_total"))
             assert float(line.split()[-1]) == stats[f"spec_decode_{name}"] > 0
-        assert 'roseinfer:spec_decode_num_accepted_tokens_per_pos_total{model_name="roseinfer",position="0"}' in metrics
+        assert (
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="roseinfer",position="0"}'
+            in metrics
+        )
         assert_engine_empty(engine)
 
 

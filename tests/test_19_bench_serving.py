@@ -161,7 +161,7 @@ def test_a_two_second_window_against_roseinfer_serve_and_a_clean_stop(tmp_path):
     r = window_row(sent, 4.0, 2.0, 0.2, 60.0)
     assert r["completed"] == r["measured"] and r["failed"] == r["cut"] == 0
     assert r["offered_output_tok_s"] == pytest.approx(sum(s.max_tokens for s in sent if s.arrival >= 0.2) / 1.8)
-    assert 'num_requests_running{model_name="tiny-shakespeare"} 0.0' in metrics
+    assert 'vllm:num_requests_running{engine="0",model_name="tiny-shakespeare"} 0.0' in metrics
 
 
 def test_capacity_script_skips_a_missing_vllm_and_says_so(tmp_path):

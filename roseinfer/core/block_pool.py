@@ -91,7 +91,7 @@ class BlockPool:
         """Take the least recently freed block; if it still held a cached prefix, that entry is evicted."""
         block = self.free.popleft()
         if self.block_hash[block] is not None:
-            self._uncache(block)
+            self.uncache(block)
         self.ref_count[block] = 1
         return block
 
@@ -128,8 +128,8 @@ class BlockPool:
     def reset(self) -> None:
         """Forget every cached prefix (after a failed forward: registered blocks may hold garbage)."""
         for block in list(self.cached.values()):
-            self._uncache(block)
+            self.uncache(block)
 
-    def _uncache(self, block: int) -> None:
+    def uncache(self, block: int) -> None:
         del self.cached[self.block_hash[block]]
         self.block_hash[block] = None

@@ -311,6 +311,14 @@ class KVCacheManager:
         self.num_hashed_blocks.pop(seq_id, None)
         self._changed_from.pop(seq_id, None)
 
+    def forget_unheld_prefixes(self, blocks) -> None:
+        """Drop these blocks from the prefix cache where no table holds them any more: a failed request's blocks,
+        whose K/V may never have been written (blocks other requests still hold were computed)."""
+        pool = self.pool
+        for block in blocks:
+            if pool.ref_count[block] == 0 and pool.block_hash[block] is not None:
+                pool.uncache(block)
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix: later requests compute their K/V again (blocks in use stay)."""
         self.pool.reset()

@@ -35,7 +35,7 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "max_model_len",
                  "all_token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens", "block_hashes",
                  "spec_token_ids", "finish_reason", "group", "index", "cumulative_logprob", "max_tokens",
-                 "stop_token_ids", "num_output_placeholders")  # fmt: skip
+                 "stop_token_ids", "num_output_placeholders", "min_tokens")  # fmt: skip
 
     def __init__(
         self,
@@ -64,6 +64,7 @@ class Request:
         self.cumulative_logprob = 0.0  # of the generated tokens (kept for n > 1)
         self.max_tokens = sampling_params.max_tokens
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        self.min_tokens = sampling_params.min_tokens  # no stop at EOS or a stop token before this many tokens
         self.num_output_placeholders = 0  # async scheduling: tokens sampled in steps whose output is not in yet
 
     @property
@@ -95,14 +96,17 @@ class Request:
 
     @property
     def speculates(self) -> bool:
-        """Speculative decoding is for requests that decode alone: one completion, not a beam search."""
-        return self.group is None and self.sampling_params.n == 1 and not self.is_beam
+        """Speculative decoding is for requests that decode alone and plainly: one completion, not a beam search,
+        no logits processor, no log-probabilities (see SamplingParams.may_speculate)."""
+        return self.group is None and self.sampling_params.may_speculate
 
     def append_token(self, token_id: int) -> bool:
         """Record a generated token and check the stops that need no text (vLLM's check_stop); True if the
         request is finished by it."""
         self.all_token_ids.append(token_id)
-        if token_id in self.eos_token_ids or token_id in self.stop_token_ids:
+        if (token_id in self.eos_token_ids or token_id in self.stop_token_ids) and (
+            len(self.all_token_ids) - self.num_prompt_tokens >= self.min_tokens
+        ):
             self.finish_reason = "stop"
         elif len(self.all_token_ids) - self.num_prompt_tokens >= self.max_tokens or (
             len(self.all_token_ids) >= self.max_model_len

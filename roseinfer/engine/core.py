@@ -6,6 +6,9 @@
         core_outputs     = scheduler.update_from_output(...)             append tokens, stops, free
                          + beam_search.on_step(...)                      beams whose search stepped
 
+A request that fails in the runner fails alone (`ModelRunnerOutput.errors`, see roseinfer/worker/step_isolation.py):
+the core frees every sequence of it and reports finish_reason "error"; the rest of the batch goes on.
+
 Everything here is token ids: the engine in front of it (roseinfer/engine/llm_engine.py) tokenizes prompts
 and detokenizes what comes out. In vLLM the core runs in a process of its own so that this loop never waits
 for Python work on text; here it is a plain object in the same process, with the same boundary.
@@ -60,7 +63,29 @@ class EngineCore:
         return so, self._update(so, out)
 
     def _update(self, so: SchedulerOutput, out) -> list[EngineCoreOutput]:
-        return self.scheduler.update_from_output(so, out) + self.beam_search.on_step(out.beam_logprobs)
+        failed = self._fail(out.errors) if out.errors else []
+        return failed + self.scheduler.update_from_output(so, out) + self.beam_search.on_step(out.beam_logprobs)
+
+    def _fail(self, errors: dict[str, str]) -> list[EngineCoreOutput]:
+        """Requests that failed in the runner (it could not set them up, or the step raised for them) fail alone:
+        every sequence of the caller's request is freed now and reported with finish_reason "error" and why; the
+        blocks only they held leave the prefix cache; the rest of the batch goes on."""
+        outputs, sched = [], self.scheduler
+        for rid, why in errors.items():
+            req = sched.requests.get(rid)
+            if req is None:
+                continue  # already failed with a sibling
+            group = req.group
+            caller = group.group_id if group is not None else rid
+            seqs = [sched.requests[s] for s in sched.sequence_ids(caller)]
+            if caller in self.beam_search.searches:
+                self.beam_search.forget(group)
+            blocks = {b for s in seqs for b in self.kv_cache_manager.block_tables.get(s.request_id, ())}
+            sched.finish_requests([s.request_id for s in seqs], "error")
+            self.kv_cache_manager.forget_unheld_prefixes(blocks)  # they may hold K/V never written
+            outputs += [EngineCoreOutput(s.request_id, [], "error", None if group is None else caller, s.index,
+                                         num_cached_tokens=s.num_cached_tokens, error=why) for s in seqs]  # fmt: skip
+        return outputs
 
     def _step_async(self) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
         """Overlap the host with the GPU (vLLM's async scheduling):

@@ -8,7 +8,10 @@ Two traps:
    characters that are complete and keeps the rest for the next token.
 2. A stop string ("\\n\\n", "THE END") may arrive split over several tokens. We hold back
    the last `len(longest stop) - 1` characters until we know they do not start a stop
-   string, and never emit the stop string itself.
+   string, and emit the stop string itself only if asked to (`include_stop_str`).
+
+With `min_tokens`, stop strings count only once more than min_tokens tokens are out (vLLM's rule): a stop
+string that ends in the text of the first min_tokens tokens is ordinary text.
 
 Each step costs O(token length + longest stop string): no re-decoding of the whole sequence, so a long
 stream stays cheap. The text is kept as the list of emitted pieces and joined only when someone asks
@@ -23,12 +26,16 @@ from collections.abc import Iterable
 
 
 class Detokenizer:
-    def __init__(self, token_bytes: list[bytes], stop: Iterable[str] = (), skip_token_ids: Iterable[int] = ()):
+    def __init__(self, token_bytes: list[bytes], stop: Iterable[str] = (), skip_token_ids: Iterable[int] = (),
+                 include_stop_str: bool = False, min_tokens: int = 0):  # fmt: skip
         """`token_bytes`: every token's bytes by id (`Tokenizer.token_bytes_table`); `skip_token_ids` make no
-        text (EOS)."""
+        text (EOS, stop token ids)."""
         self.token_bytes = token_bytes
         self.stop = list(stop)
         self.skip = frozenset(t for t in skip_token_ids if t is not None)
+        self.include_stop_str, self.min_tokens = include_stop_str, min_tokens
+        self._num_tokens = 0
+        self._protected = 0  # chars at the start of _pending from the first min_tokens tokens: no stop may end there
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._partial = False  # the incremental decoder holds the first bytes of a character
         self._hold = max((len(s) for s in self.stop), default=1) - 1  # chars kept back
@@ -48,6 +55,7 @@ class Detokenizer:
         """Add one token; return the text that is now final (possibly "")."""
         if self.stopped:
             return ""
+        self._num_tokens += 1
         if token_id in self.skip:
             return ""
         table = self.token_bytes
@@ -66,6 +74,8 @@ class Detokenizer:
                 self.pieces.append(text)
             return text
         self._pending += text
+        if self._num_tokens <= self.min_tokens:
+            self._protected = len(self._pending)
         return self._release(final=False)
 
     def flush(self) -> str:
@@ -76,14 +86,17 @@ class Detokenizer:
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
-        hits = [i for i in (self._pending.find(s) for s in self.stop) if i >= 0]
-        if hits:  # cut at the earliest stop string; drop it and everything after
-            out, self._pending, self.stopped = self._pending[: min(hits)], "", True
-        elif final or len(self._pending) <= self._hold:
-            out, self._pending = (self._pending, "") if final else ("", self._pending)
+        pending, protected = self._pending, self._protected
+        hits = [(i, len(s)) for s in self.stop if (i := pending.find(s, max(0, protected - len(s) + 1))) >= 0]
+        if hits:  # cut at the earliest stop string (after it, with include_stop_str); drop everything after
+            i, n = min(hits)
+            out, self._pending, self.stopped = pending[: i + n if self.include_stop_str else i], "", True
+        elif final or len(pending) <= self._hold:
+            out, self._pending = (pending, "") if final else ("", pending)
         else:
-            cut = len(self._pending) - self._hold
-            out, self._pending = self._pending[:cut], self._pending[cut:]
+            cut = len(pending) - self._hold
+            out, self._pending = pending[:cut], pending[cut:]
+            self._protected = max(0, protected - cut)
         if out:
             self.pieces.append(out)
         return out

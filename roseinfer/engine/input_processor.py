@@ -6,11 +6,15 @@ Bad input is a clear error here, in the caller's thread, and the core only ever 
     [1, "2"] / None / 3.5  TypeError: a prompt is a str or a list of int token ids
     [5, 99999]             ValueError: outside the vocabulary
     600 tokens, context 512    ValueError: no room for a new token
+
+and the parameters that only the engine can judge, because they name token ids of its vocabulary
+(`check_params`): logit_bias keys, stop_token_ids. The step can then never fail on one request's values.
 """
 
 from __future__ import annotations
 
 from roseinfer.checks import is_int
+from roseinfer.sampling_params import BeamSearchParams, SamplingParams
 from roseinfer.tokenizer import Tokenizer
 
 
@@ -39,3 +43,13 @@ class InputProcessor:
                 f"tokens; it must be shorter to leave room for at least one new token"
             )
         return (prompt if isinstance(prompt, str) else None), ids
+
+    def check_params(self, params: SamplingParams | BeamSearchParams) -> None:
+        """ValueError if the parameters name a token id outside the vocabulary."""
+        if not isinstance(params, SamplingParams):
+            return
+        V = self.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+            bad = sorted(t for t in ids if not 0 <= t < V)
+            if bad:
+                raise ValueError(f"{name} has token ids {bad[:5]} outside the vocabulary [0, {V})")

@@ -15,7 +15,8 @@ A request's path, each hop converting data once:
 
 Each `step()` returns one RequestOutput per request that got a token (by its `output_kind`: everything so
 far and the new text in `delta`, by default). A request whose prompt is still being prefilled in chunks
-gets none yet.
+gets none yet. A request that failed in the engine on its own gets a last output with finish_reason "error"
+and the reason in `error`; the others go on.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class LLMEngine:
             raise TypeError(f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}")
         params = params or SamplingParams()
         text, prompt_ids = self.input_processor.process(prompt)
+        self.input_processor.check_params(params)
         mc = self.config.model_config
         self.engine_core.add_request(Request(request_id, prompt_ids, params, mc.eos_token_ids, mc.max_model_len))
         self.output_processor.add_request(request_id, text, prompt_ids, params)
@@ -81,6 +83,7 @@ class LLMEngine:
         """The checks `add_request` makes, without queueing anything: the prompt's token ids, or the error
         (a server answers it before it accepts the request)."""
         _, prompt_ids = self.input_processor.process(prompt)
+        self.input_processor.check_params(params)
         mc = self.config.model_config
         self.scheduler.check_fits(Request("check", prompt_ids, params, mc.eos_token_ids, mc.max_model_len))
         return prompt_ids
@@ -111,8 +114,8 @@ class LLMEngine:
             outputs, stopped = self.output_processor.process_outputs(core_outputs)
             if stopped:  # stop strings: the core frees those sequences now, before the next step
                 self.scheduler.finish_requests(stopped, "stop")
-        except BaseException:
-            for rid in list(self.output_processor.requests):  # a failed step: fail every request, leak no block
+        except BaseException:  # (a request that fails in the model runner fails alone: finish_reason "error")
+            for rid in list(self.output_processor.requests):  # any other failed step: fail every request, no leak
                 self.abort_request(rid)
             self.reset_prefix_cache()  # blocks registered for this step may never have been written
             raise

@@ -85,49 +85,68 @@ def resolve_chat_template(model_template: str | dict[str, str] | None, chat_temp
 
 
 def apply_chat_template(tokenizer, messages: Conversation, add_generation_prompt: bool = True,
-                        chat_template: str | None = None, **kwargs) -> str:  # fmt: skip
+                        chat_template: str | None = None, continue_final_message: bool = False,
+                        **kwargs) -> str:  # fmt: skip
     """One conversation as prompt text, rendered by the model's template (or `chat_template`): the same string as
     transformers' `tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=...)`.
     `tokenizer`: anything with `chat_template` and `special_tokens_map` (Tokenizer, FastTokenizer). Extra
-    keyword arguments reach the template (e.g. `enable_thinking=False` for Qwen3)."""
+    keyword arguments reach the template (e.g. `enable_thinking=False` for Qwen3). `continue_final_message`:
+    the text ends inside the last message, so that the model continues it (a prefilled answer)."""
     from jinja2.exceptions import TemplateError
 
     check_conversation(messages)
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be true: the first starts "
+                         "a new message, the second continues the last one")  # fmt: skip
     template = resolve_chat_template(getattr(tokenizer, "chat_template", None), chat_template)
     template_kwargs = {**getattr(tokenizer, "special_tokens_map", {}), **kwargs}
     # transformers drops keys whose value is None (an OpenAI-style "tool_calls": None)
     conversation = [{k: v for k, v in m.items() if v is not None} for m in messages]
     try:
-        return render_chat_template(template, conversation, add_generation_prompt, **template_kwargs)
+        return render_chat_template(template, conversation, add_generation_prompt, continue_final_message,
+                                    **template_kwargs)  # fmt: skip
     except TemplateError as e:  # a syntax error, or the template's raise_exception("roles must alternate ...")
         raise ValueError(f"the chat template could not render these messages: {e}") from e
 
 
 def chat_prompt_token_ids(tokenizer, messages: Conversation, add_generation_prompt: bool = True,
-                          chat_template: str | None = None, **kwargs) -> tuple[str, list[int]]:  # fmt: skip
+                          chat_template: str | None = None, continue_final_message: bool = False,
+                          **kwargs) -> tuple[str, list[int]]:  # fmt: skip
     """(the rendered prompt, its token ids): the ids of `apply_chat_template(..., tokenize=True)`, i.e. the text
     tokenized without adding special tokens, since the template wrote the BOS itself if the model wants one."""
-    text = apply_chat_template(tokenizer, messages, add_generation_prompt, chat_template, **kwargs)
+    text = apply_chat_template(tokenizer, messages, add_generation_prompt, chat_template, continue_final_message,
+                               **kwargs)  # fmt: skip
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 
-def render_chat_template(template: str, messages: Conversation, add_generation_prompt: bool, **kwargs) -> str:
+def render_chat_template(template: str, messages: Conversation, add_generation_prompt: bool,
+                         continue_final_message: bool = False, **kwargs) -> str:  # fmt: skip
     """Render with transformers' renderer if it is installed, else with `render_with_jinja2`."""
     try:
         from transformers.utils.chat_template_utils import render_jinja_template
     except ImportError:
-        return render_with_jinja2(template, messages, add_generation_prompt, **kwargs)
+        return render_with_jinja2(template, messages, add_generation_prompt, continue_final_message, **kwargs)
     rendered, _ = render_jinja_template(conversations=[messages], chat_template=template,
-                                        add_generation_prompt=add_generation_prompt, **kwargs)  # fmt: skip
+                                        add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=continue_final_message, **kwargs)  # fmt: skip
     return rendered[0]
 
 
-def render_with_jinja2(template: str, messages: Conversation, add_generation_prompt: bool, **kwargs) -> str:
+def render_with_jinja2(template: str, messages: Conversation, add_generation_prompt: bool,
+                       continue_final_message: bool = False, **kwargs) -> str:  # fmt: skip
     """The environment transformers renders chat templates in, rebuilt: a sandbox (a template from the Hub is
     untrusted code), trim_blocks + lstrip_blocks (a `{% ... %}` line leaves no whitespace behind), loop controls,
-    `tojson` that keeps non-ASCII text, `raise_exception` and `strftime_now` for templates to call."""
-    return _compile(template).render(messages=messages, tools=None, documents=None,
+    `tojson` that keeps non-ASCII text, `raise_exception` and `strftime_now` for templates to call. To continue
+    the final message, the text is cut right after that message's content, where the template closed it."""
+    text = _compile(template).render(messages=messages, tools=None, documents=None,
                                      add_generation_prompt=add_generation_prompt, **kwargs)  # fmt: skip
+    if continue_final_message:
+        content = messages[-1]["content"].strip()
+        if content not in text:
+            raise ValueError("continue_final_message is set but the chat template does not write the final "
+                             "message's content as it is")  # fmt: skip
+        text = text[: text.rindex(content) + len(content)]
+    return text
 
 
 @functools.lru_cache(maxsize=32)

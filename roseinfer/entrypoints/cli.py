@@ -3,43 +3,86 @@
     roseinfer serve                                   # the bundled model on 127.0.0.1:8000
     roseinfer serve --model path/to/gpt2 --port 8001 --max-num-seqs 32 --preemption-mode swap
     roseinfer serve --tensor-parallel-size 2          # the model split across 2 processes
+    roseinfer serve --api-key KEY --chat-template chat.jinja --shutdown-timeout 10
 
 The engine's flags are `EngineArgs`' fields with dashes (vLLM's spelling), made from the one definition in
-roseinfer/config.py.
+roseinfer/config.py; the server's are below (vLLM's names where vLLM has the flag).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
 from roseinfer.config import EngineArgs
 
 
 def serve_parser(sub) -> argparse.ArgumentParser:
+    from roseinfer.entrypoints.openai.api_server import MAX_REQUEST_BODY_BYTES
+
     p = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
     p.add_argument("--served-model-name", default=None, help="the name clients send as `model` (default: roseinfer)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("ROSEINFER_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $ROSEINFER_API_KEY)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file (or the template itself) instead of the model's own",
+    )
     p.add_argument("--max-waiting", type=int, default=1024, help="waiting requests before new ones get HTTP 503")
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=MAX_REQUEST_BODY_BYTES,
+        help="larger request bodies get HTTP 413 before they are read",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to finish the requests in flight after Ctrl-C / SIGTERM, before their streams end "
+        "with an error event (a second Ctrl-C ends them at once)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     EngineArgs.add_cli_args(p)
     return p
 
 
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's contents, or the value itself if it is a template (has "{{" or "{%")."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise SystemExit(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+
+
 def serve(args: argparse.Namespace) -> None:
     import torch
-    import uvicorn
 
     from roseinfer.engine.llm_engine import LLMEngine
-    from roseinfer.entrypoints.api_server import build_app
     from roseinfer.entrypoints.async_engine import AsyncLLMEngine
+    from roseinfer.entrypoints.openai.api_server import build_app
+    from roseinfer.entrypoints.openai.launcher import serve_http
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    chat_template = read_chat_template(args.chat_template)
     engine = LLMEngine.from_config(EngineArgs.from_cli_args(args).create_engine_config())
-    app = build_app(AsyncLLMEngine(engine), args.served_model_name or "roseinfer", args.max_waiting)
+    app = build_app(AsyncLLMEngine(engine), args.served_model_name or "roseinfer", args.max_waiting,
+                    api_key=args.api_key, chat_template=chat_template,
+                    max_request_body_bytes=args.max_request_body_bytes)  # fmt: skip
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        serve_http(app, args.host, args.port, args.shutdown_timeout)
     finally:
         engine.close()  # the tensor-parallel workers stop with the server
 

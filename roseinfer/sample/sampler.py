@@ -2,8 +2,9 @@
 
 How one row's next token is chosen:
 
-    logits ─► ÷ temperature ─► softmax ─► keep top_k ─► keep top_p mass ─► draw
-                                                                          (greedy rows: argmax instead)
+    logits ─► processors ─► ÷ temperature ─► softmax ─► min_p ─► keep top_k ─► keep top_p mass ─► draw
+              (bias, min_tokens,                                          (greedy rows: argmax after the processors)
+               penalties: logits_processor.py)
 
 The parameters are columns, one entry per row (`SamplingTensors`, gathered from the model runner's
 persistent batch), so there is no loop over requests:
@@ -12,6 +13,7 @@ persistent batch), so there is no loop over requests:
                       number overflows float32)
     top_k [S]         V where disabled
     top_p [S]         1.0 where disabled
+    processors        penalties, logit_bias, min_tokens, min_p: None when no row of the step uses any
 
 Drawing from the filtered distribution p is the "exponential race" (the Gumbel-max trick): with q_i ~ Exp(1)
 independent, argmax_i p_i / q_i is i with probability p_i / Σp. It needs no sort and no cumulative sum, and
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from roseinfer.sample.logits_processor import LogitsProcessors, apply_min_p
 from roseinfer.sampling_params import SAMPLING_EPS
 
 
@@ -38,6 +41,7 @@ class SamplingTensors:
     all_greedy: bool  # no row samples: skip everything but the argmax
     needs_filter: bool  # some row has top_k < V or top_p < 1
     generators: dict[int, torch.Generator]  # row -> its own random stream (seeded requests only)
+    processors: LogitsProcessors | None = None  # None: no row uses a logits processor (the common case)
 
 
 def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
@@ -49,8 +53,10 @@ def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """One token per row: [S, V] -> [S] int64."""
+    """One token per row: [S, V] -> [S] int64. The processors change float32 `logits` in place."""
     logits = logits.float()
+    if t.processors is not None:
+        logits = t.processors.apply(logits)
     if t.all_greedy:
         return greedy_sample(logits)
     probs = filtered_probs(logits, t, normalize=False)  # [S, V]
@@ -65,6 +71,8 @@ def filtered_probs(logits: torch.Tensor, t: SamplingTensors, normalize: bool = T
     p and the draft's q, token by token."""
     temp = torch.where(t.temperature < SAMPLING_EPS, 1.0, t.temperature)  # [S]
     probs = torch.softmax(logits.float() / temp[:, None], dim=-1)  # [S, V]
+    if t.processors is not None and t.processors.min_p is not None:
+        probs = apply_min_p(probs, t.processors.min_p)
     if t.needs_filter:
         probs = top_k_top_p(probs, t.top_k, t.top_p)
     if normalize:

@@ -12,7 +12,9 @@ Every step still yields at least one token, and the tokens are exactly the ones 
 produced (greedy) or are distributed exactly as its samples (roseinfer/sample/rejection_sampler.py).
 
 The proposer lives in the model runner, as in vLLM V1: right after a step has sampled, it guesses the next
-k tokens of every request that decodes alone (not n > 1, not a beam) from the runner's own token rows, and
+k tokens of every request that decodes alone and plainly (not n > 1, not a beam, no penalty, logit_bias,
+min_tokens or min_p, no logprobs: `SamplingParams.may_speculate`; the others run one token per step in the
+same batch) from the runner's own token rows, and
 the guesses travel back to the scheduler in `ModelRunnerOutput.spec_token_ids`; the scheduler books them
 with the request's next step. Two proposers share one interface (`Proposer`):
 
@@ -46,14 +48,14 @@ class Proposer(Protocol):
 
 
 def speculating_rows(runner: ModelRunner, out: ModelRunnerOutput, k: int) -> list[tuple[str, int, int]]:
-    """(request id, row, drafts worth proposing) for the requests of this step that may speculate: alone (n = 1,
-    not a beam), and with room to grow. A step yields up to drafts + 1 tokens, so never more drafts than the
-    request may still generate (max_tokens) or the context can hold, minus one."""
+    """(request id, row, drafts worth proposing) for the requests of this step that may speculate (n = 1, not a
+    beam, no logits processor or logprobs), and with room to grow. A step yields up to drafts + 1 tokens, so
+    never more drafts than the request may still generate (max_tokens) or the context can hold, minus one."""
     ib = runner.input_batch
     found = []
     for rid, tokens in zip(out.req_ids, out.sampled_token_ids, strict=True):
         state = ib.requests.get(rid)
-        if not tokens or state is None or state.beam_topk or state.params.n > 1:
+        if not tokens or state is None or not state.params.may_speculate:
             continue
         row = state.row
         n = int(ib.num_tokens[row])

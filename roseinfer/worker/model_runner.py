@@ -13,8 +13,16 @@
                                                          brings k + 1 rows
       6. sample (roseinfer/sample/)                      the whole batch at once; verifying requests go to
                                                          the rejection sampler; a beam returns its top
-                                                         2·beam_width tokens instead of a sample
+                                                         2·beam_width tokens instead of a sample; the
+                                                         log-probabilities asked for, from the raw logits
       7. write the sampled tokens into the batch, propose drafts for the next step (speculative decoding)
+
+A request whose prompt log-probabilities are wanted also gets the LM head on every prompt position of each
+of its chunks (roseinfer/sample/logprobs.py); they go back with its first sampled token.
+
+A request the runner cannot set up (step 1) fails alone: it runs no part of this or any later step, and
+`ModelRunnerOutput.errors` tells the scheduler, which frees it. A step that raises is run again in halves
+until the requests that make it fail are found (roseinfer/worker/step_isolation.py); they fail alone too.
 
 The runner owns the model, the KV cache tensors (roseinfer/worker/kv_cache.py) and, on CUDA, the graphs of
 decode steps (roseinfer/worker/cuda_graph.py). With tensor parallelism every rank runs the same steps on
@@ -31,14 +39,18 @@ import torch
 
 from roseinfer.attention import GatherBuffer, get_backend
 from roseinfer.config import EngineConfig
+from roseinfer.core.request import as_token_ids
 from roseinfer.core.sched.output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
 from roseinfer.model_executor.loader import load_model
+from roseinfer.sample.logprobs import compute_logprobs, to_lists
 from roseinfer.sample.rejection_sampler import rejection_sample
 from roseinfer.sample.sampler import sample
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.worker.input_batch import InputBatch
 from roseinfer.worker.kv_cache import KVCache, swap_blocks
+from roseinfer.worker.prompt_logprobs import gather_prompt_logprobs
 from roseinfer.worker.step_inputs import StepInputs, prepare_step
+from roseinfer.worker.step_isolation import Failures, run_in_parts, spans, why, without
 
 
 @dataclass
@@ -50,6 +62,7 @@ class StepHandle:
     rows: np.ndarray  # their rows in the input batch
     tokens: torch.Tensor | None  # [P] int64 on the host
     event: torch.cuda.Event | None  # recorded after the copy (CUDA)
+    logprobs: tuple | None = None  # (which of the plain rows, their N, host tensors of compute_logprobs)
 
 
 class ModelRunner:
@@ -75,7 +88,9 @@ class ModelRunner:
         lookahead = config.scheduler_config.num_lookahead_tokens
         max_blocks = -(-(mc.max_model_len + lookahead) // cc.block_size) + 1
         self.input_batch = InputBatch(mc.max_model_len, max_blocks, cc.block_size, mc.vocab_size, self.device,
-                                      capacity=max(64, config.scheduler_config.max_num_seqs))  # fmt: skip
+                                      capacity=max(64, config.scheduler_config.max_num_seqs),
+                                      eos_token_ids=as_token_ids(mc.eos_token_ids), samples=self.is_driver)  # fmt: skip
+        self.failures = Failures(cc.block_size)  # requests that failed alone, until the scheduler frees them
         self.gather_buffer = GatherBuffer()  # scratch reused by every step (see roseinfer/attention/sdpa.py)
         self._cached_rows = np.zeros(0, dtype=np.int64)  # rows of the step's cached requests, in their order
         self.proposer = None
@@ -100,10 +115,21 @@ class ModelRunner:
         """Everything up to the sampled tokens. On CUDA the kernels are only queued: the tokens are on their way
         to pinned host memory when this returns, and `finish_step` waits for them (async scheduling schedules
         the next step in between). On a CPU the work is done by the time this returns."""
-        self._update_states(so)
+        so, errors = self._update_states(so)
         self.move_blocks(so)
-        if not so.total_num_scheduled_tokens:
-            return EMPTY_MODEL_RUNNER_OUTPUT
+        try:
+            result = self._launch(so) if so.total_num_scheduled_tokens else EMPTY_MODEL_RUNNER_OUTPUT
+        except Exception as e:
+            if self.tp_size > 1:
+                raise  # every rank must run the same forwards: no retries on one of them
+            result = run_in_parts(self, so, e)
+        if errors and self.is_driver:  # the requests that failed alone, for the scheduler to free
+            if result is EMPTY_MODEL_RUNNER_OUTPUT:
+                result = ModelRunnerOutput()
+            (result.out if isinstance(result, StepHandle) else result).errors.update(errors)
+        return result
+
+    def _launch(self, so: SchedulerOutput) -> StepHandle | ModelRunnerOutput | None:
         ib = self.input_batch
         ids = list(so.num_scheduled_tokens)
         counts = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(ids))
@@ -122,6 +148,8 @@ class ModelRunner:
         hidden = self._forward(step)
         if not self.is_driver:
             return None
+        if ib.num_prompt_logprob_rows:
+            gather_prompt_logprobs(ib, step, hidden, self.model.compute_logits, self.to_device)
         num_drafts = np.zeros(len(step.rows), dtype=np.int64)
         if drafts:
             num_drafts[:] = [drafts.get(r, 0) for r in step.req_ids]
@@ -146,7 +174,14 @@ class ModelRunner:
                 sample_rows = np.append(sample_rows, ib.req_id_to_row[f.child_id])
             nrows = np.append(nrows, np.ones(len(forks), dtype=np.int64))
         logits = self.model.compute_logits(hidden[self.to_device(logits_rows)])  # [rows, V]
-        return self._sample(logits, req_ids, sample_rows, nrows, so)
+        handle = self._sample(logits, req_ids, sample_rows, nrows, so)
+        if ib.prompt_logprobs_ready:  # prompts whose log-probabilities are all in: they go with the first token
+            sampled = set(req_ids)
+            for rid in [r for r in ib.prompt_logprobs_ready if r in sampled]:
+                ib.prompt_logprobs_ready.discard(rid)
+                state = ib.requests[rid]
+                handle.out.prompt_logprobs[rid], state.prompt_logprobs = state.prompt_logprobs, None
+        return handle
 
     @torch.inference_mode()
     def finish_step(self, handle: StepHandle | ModelRunnerOutput | None) -> ModelRunnerOutput | None:
@@ -164,6 +199,11 @@ class ModelRunner:
             else:
                 for i, t in zip(handle.plain.tolist(), tokens.tolist(), strict=True):
                     out.sampled_token_ids[i] = [t]
+        if handle.logprobs is not None:  # one position per request that asked
+            want, nums, (ids, lps, ranks) = handle.logprobs
+            lists = to_lists(ids, lps, ranks, nums.tolist(), [1] * len(want))
+            for i, lp in zip(want.tolist(), lists, strict=True):
+                out.logprobs[out.req_ids[handle.plain[i]]] = lp
         if self.proposer is not None:
             out.spec_token_ids = self.proposer.propose(self, out)
         return out
@@ -186,81 +226,113 @@ class ModelRunner:
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=None if all_plain else [[] for _ in req_ids])
         handle = StepHandle(out, plain, rows if all_plain else rows[plain], None, None)
         last_row = np.cumsum(nrows) - 1  # each request's last logits row
+        tokens = None
         if all_plain:
-            handle.tokens, handle.event = self._sample_plain(logits, rows, req_ids, plain, out)
+            tokens = self._sample_plain(logits, rows, handle)
         elif len(plain):
-            plain_logits = logits[self.to_device(last_row[plain])]
-            handle.tokens, handle.event = self._sample_plain(plain_logits, rows[plain], req_ids, plain, out)
-        if spec.any():
-            self._verify(logits, req_ids, rows, nrows, np.flatnonzero(spec), so, out)
+            tokens = self._sample_plain(logits[self.to_device(last_row[plain])], rows[plain], handle)
+        verified = self._verify(logits, req_ids, rows, nrows, np.flatnonzero(spec), so, out) if spec.any() else ()
         for i in np.flatnonzero(beam).tolist():  # a beam: its best next tokens, for the beam search
             state = ib.requests[req_ids[i]]
             lp = torch.log_softmax(logits[int(last_row[i])].float(), dim=-1)  # [V]
             top = torch.topk(lp, min(state.beam_topk, lp.shape[0]))
             out.beam_logprobs[req_ids[i]] = (top.indices.tolist(), top.values.tolist())
+        # the step's writes into the batch come last: a step that raised before them can run again
+        if tokens is not None and ib.output_counts is not None:  # penalties in the batch: count what was sampled
+            ib.count_sampled(self.to_device(handle.rows), tokens)
+        for i, toks in verified:
+            ib.requests[req_ids[i]].spec_draft_probs = None  # used: the next drafts bring their own
+            ib.append_tokens(int(rows[i]), toks)
         return handle
 
-    def _sample_plain(self, logits: torch.Tensor, rows: np.ndarray, req_ids: list[str], plain: np.ndarray,
-                      out: ModelRunnerOutput) -> tuple[torch.Tensor, torch.cuda.Event | None]:  # fmt: skip
+    def _sample_plain(self, logits: torch.Tensor, rows: np.ndarray, handle: StepHandle) -> torch.Tensor:
         """One token per row from the sampler, on their way to the host (with the event that says they are there);
-        the log-probability of each for requests with n > 1."""
+        the log-probabilities of the requests that want them (logprobs, or n > 1), from the raw logits. Returns the
+        tokens on the device."""
         ib = self.input_batch
         t = ib.sampling_tensors(rows, logits.device)
+        want = np.flatnonzero(ib.num_logprobs[rows] >= 0) if ib.num_logprob_rows else ()
+        raw = logits[self.to_device(want)] if len(want) else None  # a copy: the processors change logits in place
         tokens = sample(logits, t)  # [S]
-        want = np.flatnonzero(ib.needs_logprobs[rows])
-        if len(want):
-            idx = self.to_device(want)
-            chosen = torch.log_softmax(logits[idx].float(), dim=-1).gather(1, tokens[idx][:, None])[:, 0]
-            for i, lp in zip(want.tolist(), chosen.tolist(), strict=True):
-                out.logprobs[req_ids[plain[i]]] = [lp]
+        lp = None
+        if raw is not None:
+            nums = ib.num_logprobs[rows[want]]
+            lp = compute_logprobs(raw, tokens[self.to_device(want)], int(nums.max()))
         if tokens.device.type == "cpu":
-            return tokens, None
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)  # the host does other work while this lands
-        event = torch.cuda.Event()
-        event.record()
-        return host, event
+            handle.tokens = tokens
+            handle.logprobs = None if lp is None else (want, nums, lp)
+            return tokens
+        handle.tokens = _to_host(tokens)  # the host does other work while this lands
+        handle.logprobs = None if lp is None else (want, nums, tuple(_to_host(x) for x in lp))
+        handle.event = torch.cuda.Event()
+        handle.event.record()
+        return tokens
 
     def _verify(self, logits: torch.Tensor, req_ids: list[str], rows: np.ndarray, nrows: np.ndarray,
-                idx: np.ndarray, so: SchedulerOutput, out: ModelRunnerOutput) -> None:  # fmt: skip
-        """Requests that verify drafts: their k + 1 rows each go to the rejection sampler."""
+                idx: np.ndarray, so: SchedulerOutput, out: ModelRunnerOutput) -> list:  # fmt: skip
+        """Requests that verify drafts: their k + 1 rows each go to the rejection sampler. Returns (index, tokens) of
+        each, for `_sample` to write into the batch."""
         ib = self.input_batch
         starts = np.cumsum(nrows) - nrows
         sel = np.concatenate([np.arange(starts[i], starts[i] + nrows[i]) for i in idx])
         ids = [req_ids[i] for i in idx]
         drafts = [so.scheduled_spec_decode_tokens[r] for r in ids]
-        probs = []
-        for r, d in zip(ids, drafts, strict=True):
-            state = ib.requests[r]
-            q = state.spec_draft_probs
-            probs.append(None if q is None else q[: len(d)])
-            state.spec_draft_probs = None  # used: the next drafts bring their own
+        qs = [ib.requests[r].spec_draft_probs for r in ids]
+        probs = [None if q is None else q[: len(d)] for q, d in zip(qs, drafts, strict=True)]
         t = ib.sampling_tensors(rows[idx], logits.device)
-        for i, tokens in zip(
-            idx.tolist(), rejection_sample(logits[self.to_device(sel)], drafts, probs, t), strict=True
-        ):
+        verified = list(zip(idx.tolist(), rejection_sample(logits[self.to_device(sel)], drafts, probs, t), strict=True))
+        for i, tokens in verified:
             out.sampled_token_ids[i] = tokens
-            ib.append_tokens(int(rows[i]), tokens)
+        return verified
 
     # ---- the persistent batch ----------------------------------------------------------------
-    def _update_states(self, so: SchedulerOutput) -> None:
-        """Apply the step's diffs: drop finished requests, add new ones and forks, update the rest."""
-        ib = self.input_batch
+    def _update_states(self, so: SchedulerOutput) -> tuple[SchedulerOutput, dict[str, str]]:
+        """Apply the step's diffs: drop finished requests, add new ones and forks, update the rest. A request (or
+        fork) that cannot be set up fails alone: the step goes on without it. Returns the step as it runs (without
+        the failed requests) and the new failures, request id -> why."""
+        ib, failures = self.input_batch, self.failures
         for rid in so.finished_req_ids:
             ib.remove_request(rid)
+            failures.release(rid)
             if self.proposer is not None:
                 self.proposer.free(rid)
+        if failures:  # failed in an earlier step, not freed yet (async scheduling booked them again)
+            so = without(so, failures.blocks)
+        errors: dict[str, str] = {}
         for new in so.scheduled_new_reqs:
-            gen = self._generator(new.sampling_params, 0)
-            ib.add_request(new.req_id, new.prompt_token_ids, new.sampling_params, new.block_ids,
-                           new.num_computed_tokens, gen)  # fmt: skip
+            try:
+                gen = self._generator(new.sampling_params, 0)
+                ib.add_request(new.req_id, new.prompt_token_ids, new.sampling_params, new.block_ids,
+                               new.num_computed_tokens, gen)  # fmt: skip
+            except Exception as e:
+                errors[new.req_id] = why(new.req_id, e)
         for f in so.forks:
-            params = ib.requests[f.parent_id].params
-            ib.fork(f.parent_id, f.child_id, f.block_ids, self._generator(params, f.index))
+            if f.parent_id in errors:
+                errors[f.child_id] = errors[f.parent_id]
+                continue
+            try:
+                params = ib.requests[f.parent_id].params
+                ib.fork(f.parent_id, f.child_id, f.block_ids, self._generator(params, f.index))
+            except Exception as e:
+                errors[f.child_id] = why(f.child_id, e)
+        if errors:
+            failures.add(errors, spans(so, ib))
+            so = without(so, failures.blocks)
         c = so.scheduled_cached_reqs
         self._cached_rows = rows = ib.rows(c.req_ids)
-        if not c.req_ids:
-            return
+        if c.req_ids:
+            self._update_cached(c, rows)
+        while failures and (readers := failures.readers(spans(so, ib))):  # they read K/V that were never written
+            for rid, culprit in readers.items():
+                errors[rid] = f"request {rid!r} failed: it reads K/V blocks that request {culprit!r} failed to write"
+            failures.add(readers, spans(so, ib))
+            so = without(so, failures.blocks)
+            self._cached_rows = ib.rows(so.scheduled_cached_reqs.req_ids)
+        return so, errors
+
+    def _update_cached(self, c, rows: np.ndarray) -> None:
+        """The requests the runner holds: num_computed_tokens, block-table tails, tokens chosen elsewhere."""
+        ib = self.input_batch
         ib.num_computed_tokens[rows] = c.num_computed_tokens
         bs = self.block_size
         for i, update in enumerate(c.new_block_ids):
@@ -302,3 +374,10 @@ class ModelRunner:
 
     def close(self) -> None:
         """Nothing to stop in one process (the tensor-parallel runner stops its workers)."""
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor's copy in pinned host memory, on its way (non-blocking)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host

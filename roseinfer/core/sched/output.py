@@ -29,8 +29,9 @@ A request gets a next token only when the step brings it to the end of its seque
 fills the KV cache.
 
     ModelRunnerOutput       what came back: per request that reached its end, the tokens it got (one, or
-                            the accepted drafts and one more), the log-probabilities that n > 1 and beam
-                            search need, and the drafts proposed for the next step
+                            the accepted drafts and one more), the log-probabilities asked for (and those
+                            that n > 1 and beam search need), the drafts proposed for the next step, and
+                            the requests that failed in the runner (they fail alone)
 """
 
 from __future__ import annotations
@@ -91,22 +92,47 @@ class SchedulerOutput:
 
 
 @dataclass
+class LogprobsLists:
+    """Log-probabilities at some positions of one sequence, as plain lists (vLLM's LogprobsLists). Per position:
+
+    logprob_token_ids    [the position's own token (sampled, or the prompt's next token), top 1, .. top N]
+    logprobs             their log-probabilities (the model's log-softmax)
+    sampled_token_ranks  the position's own token's rank (1 = most likely)
+    """
+
+    logprob_token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+    sampled_token_ranks: list[int] = field(default_factory=list)
+
+    def extend(self, other: LogprobsLists) -> None:
+        self.logprob_token_ids += other.logprob_token_ids
+        self.logprobs += other.logprobs
+        self.sampled_token_ranks += other.sampled_token_ranks
+
+
+@dataclass
 class ModelRunnerOutput:
     """Per request that reached the end of its sequence this step (in `req_ids` order):
 
     sampled_token_ids   its new tokens: one, or the drafts the target accepted and one of its own; [] for a
                         beam, which returns log-probabilities instead
-    logprobs            request id -> the log-probability of each sampled token (requests with n > 1)
+    logprobs            request id -> the sampled tokens' log-probabilities (requests with `logprobs`, and
+                        n > 1 for the cumulative log-probability): one position per sampled token
+    prompt_logprobs     request id -> its prompt's log-probabilities, positions 1 .. P - 1, in the step that
+                        samples its first token (the runner gathers them chunk by chunk until then)
     beam_logprobs       request id -> (token ids, log-probabilities) of its 2·beam_width most likely next
                         tokens, best first: all a beam search step needs of a beam's distribution
     spec_token_ids      request id -> the drafts proposed for its next step (speculative decoding)
+    errors              request id -> why it failed in the runner (the rest of the step ran without it)
     """
 
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
-    logprobs: dict[str, list[float]] = field(default_factory=dict)
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     beam_logprobs: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput()
@@ -127,6 +153,9 @@ class EngineCoreOutput:
     cumulative_logprob: float | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     beams: list[tuple[list[int], float, str]] | None = None  # (token ids, cum. log-probability, finish reason)
+    new_logprobs: LogprobsLists | None = None  # one position per new token (requests that asked)
+    new_prompt_logprobs: LogprobsLists | None = None  # with the first token: prompt positions 1 .. P - 1
+    error: str | None = None  # finish_reason "error": why
 
 
 @dataclass

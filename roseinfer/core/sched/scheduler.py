@@ -219,7 +219,8 @@ class Scheduler:
             if len(self.running) + self._seats(req) > self.max_num_seqs:
                 break  # a request with n sequences needs n places
             hashes = req.update_block_hashes(kv.block_size) if kv.enable_prefix_caching else []
-            hits = kv.find_cached_blocks(hashes, req.num_tokens)  # a cached prefix is shared
+            # a cached prefix is shared; not with prompt log-probabilities, which need every prompt position's logits
+            hits = kv.find_cached_blocks(hashes, req.num_tokens) if req.sampling_params.prompt_logprobs is None else []
             num_cached = len(hits) * kv.block_size
             n = req.num_tokens - num_cached
             if n > budget and not self.config.enable_chunked_prefill:
@@ -278,6 +279,7 @@ class Scheduler:
         outputs, finished = [], []
         spec, proposed = sched.scheduled_spec_decode_tokens, out.spec_token_ids
         booked = self._booked.pop(id(sched), None)
+        logprobs, prompt_logprobs = out.logprobs, out.prompt_logprobs
         for rid, tokens in zip(out.req_ids, out.sampled_token_ids, strict=True):
             req = self.requests.get(rid)
             if req is None or not tokens:  # gone meanwhile, or a beam (its log-probabilities go to the search)
@@ -296,14 +298,15 @@ class Scheduler:
                     if stopped := req.append_token(t):
                         tokens = tokens[:n]
                         break
-            lp = out.logprobs.get(rid) if out.logprobs else None
+            lp = logprobs.get(rid) if logprobs else None
             if lp is not None:
-                req.cumulative_logprob += sum(lp[: len(tokens)])
+                req.cumulative_logprob += sum(row[0] for row in lp.logprobs[: len(tokens)])
             group = req.group
             outputs.append(EngineCoreOutput(rid, tokens, req.finish_reason,
                                             group.group_id if group is not None else None, req.index,
                                             req.cumulative_logprob if lp is not None else None,
-                                            req.num_cached_tokens))  # fmt: skip
+                                            req.num_cached_tokens, None, lp,
+                                            prompt_logprobs.get(rid) if prompt_logprobs else None))  # fmt: skip
             if stopped:
                 finished.append(rid)
             elif proposed or req.spec_token_ids:  # drafts for the next step; the ones just verified are used
