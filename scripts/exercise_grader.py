@@ -3,17 +3,22 @@ with `-p exercise_grader`); it works with the pytest of any stage.
 
     --exercise-report=FILE    one JSON line per test as it finishes: {"nodeid", "outcome", "message", "seconds"},
                               outcome passed | failed | error | skipped; collection errors are errors too
-    --exercise-timeout=S      a test (setup, call and teardown) that runs longer fails, so that a stub
-                              that leaves a server or a worker waiting cannot hang the grader
+    --exercise-timeout=S      a test whose setup, call and teardown run longer fails, so that a stub that
+                              leaves a server or a worker waiting cannot hang the grader
 
-The timeout is a SIGALRM timer in the main thread; its handler calls `pytest.fail`, whose exception is
-a BaseException: code under test that catches Exception cannot swallow it.
+The timeout: a watchdog thread counts the seconds the test's phases have run (one tick a second, so a
+process that was stopped and continued does not time out at once) and then sends SIGALRM to the main
+thread, which interrupts a wait there; the handler calls `pytest.fail`, whose exception is a
+BaseException, so code under test that catches Exception cannot swallow it. Between phases (pytest's own
+reporting) it is disarmed, so it never fires inside pytest itself.
 """
 
 from __future__ import annotations
 
 import json
 import signal
+import threading
+import time
 
 import pytest
 
@@ -29,6 +34,23 @@ class _Grader:
         self.report = open(report, "a") if report else None  # noqa: SIM115 (closed at session end)
         self.timeout = timeout
         self.setup_seconds = 0.0  # of the test being run
+        self.armed = False  # inside a phase (setup, call, teardown) of a test
+        self.ticks = 0  # seconds the current test has run while armed
+        if timeout > 0:
+            signal.signal(signal.SIGALRM, self._expire)
+            threading.Thread(target=self._watch, args=(threading.main_thread().ident,), daemon=True).start()
+
+    def _watch(self, main: int) -> None:
+        while True:
+            time.sleep(1)
+            if self.armed:
+                self.ticks += 1
+                if self.ticks == int(self.timeout):
+                    signal.pthread_kill(main, signal.SIGALRM)
+
+    def _expire(self, signum, frame) -> None:
+        if self.armed:
+            pytest.fail(f"timed out after {self.timeout:g} s (the grader's limit per test)", pytrace=False)
 
     def write(self, nodeid: str, outcome: str, message: str = "", seconds: float = 0.0) -> None:
         if self.report is not None:
@@ -38,21 +60,26 @@ class _Grader:
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
-        if self.timeout <= 0:
-            yield
-            return
+        self.ticks = 0
+        yield
 
-        def expire(signum, frame):
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            pytest.fail(f"timed out after {self.timeout:g} s (the grader's limit per test)", pytrace=False)
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_setup(self, item):
+        self.armed = True
+        yield
+        self.armed = False
 
-        old = signal.signal(signal.SIGALRM, expire)
-        signal.setitimer(signal.ITIMER_REAL, self.timeout)
-        try:
-            yield
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, old)
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_call(self, item):
+        self.armed = True
+        yield
+        self.armed = False
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_teardown(self, item, nextitem):
+        self.armed = True
+        yield
+        self.armed = False
 
     def pytest_runtest_logreport(self, report):
         # one record per test: its call, or the setup/teardown that failed (or skipped it)
