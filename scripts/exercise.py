@@ -125,11 +125,19 @@ def resolve(nn: str) -> tuple[Manifest, str]:
 
 
 # ---- new, restore -----------------------------------------------------------------------------------------
+def chosen(m: Manifest, only: list[str] | None) -> list[Stub]:
+    """The stubs named in `only` (all when None); an unknown name is an error that lists the known ones."""
+    unknown = sorted(set(only or ()) - {s.name for s in m.stubs})
+    if unknown:
+        known = ", ".join(s.name for s in m.stubs)
+        raise SystemExit(f"stage {m.stage} has no stub {', '.join(unknown)}; its stubs: {known}")
+    return [s for s in m.stubs if only is None or s.name in only]
+
+
 def apply_stubs(dir_: Path, m: Manifest, only: list[str] | None = None) -> None:
-    for s in m.stubs:
-        if only is None or s.name in only:
-            path = dir_ / s.file
-            path.write_text(stub_source(path.read_text(), s.name, m.message(s)))
+    for s in chosen(m, only):
+        path = dir_ / s.file
+        path.write_text(stub_source(path.read_text(), s.name, m.message(s)))
 
 
 def read_marker(dir_: Path) -> tuple[dict, Manifest]:
@@ -165,10 +173,13 @@ def cmd_restore(args: argparse.Namespace) -> int:
     """The stage's own functions back in place of the stubs (all, or --only these); the rest of DIR stays."""
     dir_ = Path(args.dir).resolve()
     info, m = read_marker(dir_)
-    stubs = [s for s in m.stubs if not args.only or s.name in args.only]
+    stubs = chosen(m, args.only)
     for s in stubs:
         path, original = dir_ / s.file, git("show", f"{info['commit']}:{s.file}", cwd=dir_)
-        path.write_text(replace_function(path.read_text(), original, s.name))
+        try:
+            path.write_text(replace_function(path.read_text(), original, s.name))
+        except SyntaxError as e:
+            raise SystemExit(f"{s.file} does not parse ({e.msg}, line {e.lineno}): fix it, or git checkout it") from e
     print(f"restored from stage {m.stage}: {', '.join(s.name for s in stubs)}")
     return 0
 
