@@ -316,7 +316,7 @@ def cmd_prove(args: argparse.Namespace) -> int:
     stub alone (so each is reached by the stage's tests); and it passes once the stage's code is restored,
     when the tree is the stage's again byte for byte. One JSON line per stage, then a summary."""
     todo = [f"{int(n):02d}" for n in args.nn] or sorted(manifests())
-    failed, rows = [], []
+    failed = []
     for nn in todo:
         m, _ = resolve(nn)
         t0 = time.perf_counter()
@@ -328,12 +328,12 @@ def cmd_prove(args: argparse.Namespace) -> int:
             finally:
                 git("worktree", "remove", "--force", str(dir_), check=False)
         row["seconds"] = round(time.perf_counter() - t0)
-        rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "records"}), flush=True)
+        if args.json:  # a line per stage as it is done, with every test's outcome and duration
+            with open(args.json, "a") as f:
+                f.write(json.dumps(row) + "\n")
         if not row["ok"]:
             failed.append(nn)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     good = len(todo) - len(failed)
     print(f"\n{good}/{len(todo)} stages: the grader fails on the stubs and passes on the stage's code", end="")
     print(f"; not: {' '.join(failed)}" if failed else "")
@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     prove.add_argument("--quick", action="store_true", help="only the manifests' quick tests")
     prove.add_argument("--per-stub", action="store_true", help="each stub alone must make the grader fail too")
     prove.add_argument("--timeout", type=float, default=120, help="seconds a test may take (default 120)")
-    prove.add_argument("--json", metavar="FILE", help="write every stage's results, with test durations, here")
+    prove.add_argument("--json", metavar="FILE", help="append a JSON line per stage (all outcomes) here")
     sub.add_parser("list", help="the stages and their stubs")
     sub.add_parser("commit", help="stage NN's commit (exercise.sh checks it out)").add_argument("nn")
     args = p.parse_args(argv)
