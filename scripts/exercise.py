@@ -31,9 +31,11 @@ How a stub is made: scripts/exercise_stub.py. How a test's outcome is recorded: 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -226,7 +228,11 @@ def run_grader(dir_: Path, files: list[str], quick: list[str], exitfirst: bool, 
     env["PYTHONPATH"] = f"{dir_}{os.pathsep}{marker}"
     by_id: dict[str, dict] = {}  # a test whose teardown fails after it passed counts once, as an error
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=dir_, env=env, stdout=None if verbose else out, stderr=subprocess.STDOUT)
+        # Ctrl-C as in a terminal, even when the grader itself runs in the background (where SIGINT is ignored,
+        # and children inherit that): some stages test how their processes stop on it.
+        sigint = functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL)
+        proc = subprocess.Popen(cmd, cwd=dir_, env=env, stdout=None if verbose else out, stderr=subprocess.STDOUT,
+                                preexec_fn=sigint)  # fmt: skip
         seen = 0
         try:
             while True:
