@@ -17,13 +17,15 @@ graded by the stage's own tests.
 The manifests, one per stage, are exercises/NN-slug.toml at HEAD: stages are fixed history, so a
 manifest is applied to the stage's code, never stored in it. A stage joins the track with its manifest:
 
+    quick = ["test_reference_paged_attention_equals_dense"]   # fast tests that reach every stub (the suite's)
+    tests = ["tests/test_07_paged_kv_cache.py"]                 # optional: the grader's files (default test_NN_*)
+
     [[stub]]                                     # one per function, in the order to write them
     file = "roseinfer/attention/reference.py"
     name = "paged_attention_reference"           # a function, or Class.method
     hint = "gather each row's blocks through its block table, ..."   # one line: what to write
 
-    quick = ["test_reference_paged_attention_equals_dense"]   # fast tests that reach the stubs (the suite's)
-    tests = ["tests/test_07_paged_kv_cache.py"]                 # optional: the grader's files (default test_NN_*)
+(`quick` and `tests` come first: in TOML a key after a [[stub]] header belongs to that stub.)
 
 How a stub is made: scripts/exercise_stub.py. How a test's outcome is recorded: scripts/exercise_grader.py.
 """
@@ -268,7 +270,7 @@ def show_record(m: Manifest):
     return show
 
 
-def next_stub(dir_: Path, m: Manifest) -> tuple[object, str]:
+def next_stub(dir_: Path, m: Manifest) -> tuple[Stub | None, str]:
     """The first stub, in the manifest's order, that is still a stub (and why it cannot be read, if so)."""
     for s in m.stubs:
         try:
@@ -297,10 +299,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     stub, why = next_stub(dir_, m)
     skipped = f" ({count['skipped']} skipped)" if count["skipped"] else ""
     print(f"\n{count['passed']}/{ran} tests pass{skipped}.", end=" ")
-    if ok and stub is None:
+    if ok and quick:
+        print("The quick tests pass; the grader is all of them: run it without --quick.")
+    elif ok and stub is None:
         print(f"Stage {m.nn} is built. Compare with the stage's code: git -C {dir_} diff {info['commit'][:10]}")
     elif ok:
-        print(f"{stub.name} is still a stub: these tests do not reach it (run them all: no --quick)")
+        print(f"{stub.name} is still a stub, and no test reaches it.")
     elif stub is not None:
         print(f"Next stub to fill: {stub.file}: {stub.name}{why}\n  {stub.hint}")
     else:
@@ -316,7 +320,7 @@ def _tail(path: Path, n: int = 30) -> str:
     return "".join(path.read_text().splitlines(keepends=True)[-n:]) if path.exists() else ""
 
 
-# ---- prove: the target, for every stage ---------------------------------------------------------------------
+# ---- prove: every stage's exercise, end to end -------------------------------------------------------------
 def cmd_prove(args: argparse.Namespace) -> int:
     """For each stage in a fresh exercise: the grader fails on all stubs; with --per-stub it fails on each
     stub alone (so each is reached by the stage's tests); and it passes once the stage's code is restored,
