@@ -320,7 +320,7 @@ def _tail(path: Path, n: int = 30) -> str:
     return "".join(path.read_text().splitlines(keepends=True)[-n:]) if path.exists() else ""
 
 
-# ---- prove: every stage's exercise, end to end ------------------------------------------------------------
+# ---- prove: every stage's exercise, end to end -------------------------------------------------------------
 def cmd_prove(args: argparse.Namespace) -> int:
     """For each stage in a fresh exercise: the grader fails on all stubs; with --per-stub it fails on each
     stub alone (so each is reached by the stage's tests); and it passes once the stage's code is restored,
