@@ -17,7 +17,7 @@ graded by the stage's own tests.
 The manifests, one per stage, are exercises/NN-slug.toml at HEAD: stages are fixed history, so a
 manifest is applied to the stage's code, never stored in it. A stage joins the track with its manifest:
 
-    quick = ["test_reference_paged_attention_equals_dense"]   # fast tests that reach every stub (the suite's)
+    quick = ["test_reference_paged_attention_equals_dense"]   # fast tests (-k expressions) reaching every stub
     tests = ["tests/test_07_paged_kv_cache.py"]                 # optional: the grader's files (default test_NN_*)
 
     [[stub]]                                     # one per function, in the order to write them
@@ -224,10 +224,16 @@ def run_grader(dir_: Path, files: list[str], quick: list[str], exitfirst: bool, 
     cmd = [str(python), "-m", "pytest", "-p", "no:cacheprovider", "-p", "exercise_grader", "-q", "--tb=short",
            f"--confcutdir={dir_ / 'tests'}", f"--exercise-report={report}", f"--exercise-timeout={timeout}",
            *files]  # fmt: skip
-    cmd += ["-k", " or ".join(quick)] if quick else []
+    cmd += ["-k", " or ".join(f"({q})" for q in quick)] if quick else []
     cmd += ["-x"] if exitfirst else []
     env = {k: v for k, v in os.environ.items() if k not in ("ROSEINFER_VENV", "PYTHONPATH")}
     env["PYTHONPATH"] = f"{dir_}{os.pathsep}{marker}"
+    # C++ extensions (stage 17's decode kernel) are built once per stage in a directory of its own: one
+    # name with a different source per stage, in a shared directory, makes graders that run side by side
+    # (or a grader beside this checkout's tests) rebuild it over each other and load the wrong one.
+    ext = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    stage = json.loads((marker / "exercise.json").read_text())["stage"]
+    env["TORCH_EXTENSIONS_DIR"] = str(ext / f"roseinfer-exercise-{stage}")
     by_id: dict[str, dict] = {}  # a test whose teardown fails after it passed counts once, as an error
     with open(log, "w") as out:
         # Ctrl-C as in a terminal, even when the grader itself runs in the background (where SIGINT is ignored,
