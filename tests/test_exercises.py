@@ -47,6 +47,7 @@ def test_every_stage_has_an_exercise():
         assert m.quick, f"{m.stage}: quick tests (what this suite runs)"
 
 
+@no_history
 @pytest.mark.parametrize("nn", sorted(MANIFESTS))
 def test_every_stub_is_a_function_of_its_stage_and_every_quick_test_exists(nn):
     m = MANIFESTS[nn]
