@@ -29,23 +29,30 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(max_waiting: int = 1024, **engine_kwargs):
-    """The real app in uvicorn on a free loopback port, in a thread of this process (so that tests can look at
-    the engine's pool); stopped and joined when the block ends."""
-    engine = AsyncLLMEngine(LLMEngine(device="cpu", dtype="float32", **engine_kwargs))
+def serving(engine: AsyncLLMEngine, **app_kwargs):
+    """build_app(engine, ...) in uvicorn on a free loopback port, in a thread of this process (so that tests can
+    look at the engine's pool); stopped and joined when the block ends. Yields (base url, app)."""
+    app = build_app(engine, "roseinfer", **app_kwargs)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, "roseinfer", max_waiting), host="127.0.0.1", port=port,
-                                           log_level="warning"))  # fmt: skip
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}", engine
+        yield f"http://127.0.0.1:{port}", app
     finally:
         server.should_exit = True
         thread.join(timeout=30)
         assert not thread.is_alive(), "the server did not stop"
+
+
+@contextmanager
+def running_server(max_waiting: int = 1024, **engine_kwargs):
+    """The real app over a fresh engine (`serving`); yields (base url, the AsyncLLMEngine)."""
+    engine = AsyncLLMEngine(LLMEngine(device="cpu", dtype="float32", **engine_kwargs))
+    with serving(engine, max_waiting=max_waiting) as (url, _):
+        yield url, engine
 
 
 def is_empty(engine: LLMEngine) -> bool:

@@ -10,44 +10,21 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
-import time
-from contextlib import contextmanager
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from conftest import REPO
-from test_13_server import assert_engine_empty, free_port
+from test_13_server import assert_engine_empty, serving
 
 from roseinfer import LLM, LLMEngine, SamplingParams
 from roseinfer.entrypoints import chat_utils
 from roseinfer.entrypoints.async_engine import AsyncLLMEngine
-from roseinfer.entrypoints.openai.api_server import build_app
 
 LLAMA = str(REPO / "roseinfer" / "models" / "tiny-llama-shakespeare")
 GPT2 = str(REPO / "roseinfer" / "models" / "tiny-shakespeare")  # no chat template
 ENGINE = {"device": "cpu", "dtype": "float32"}
 HAIL = [{"role": "system", "content": "Speak as a king."}, {"role": "user", "content": "Who goes there?"}]
-
-
-@contextmanager
-def serving(engine: AsyncLLMEngine, **app_kwargs):
-    """build_app(engine, ...) in uvicorn on a free loopback port, in a thread; stopped when the block ends."""
-    app = build_app(engine, "roseinfer", **app_kwargs)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}", app
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        assert not thread.is_alive(), "the server did not stop"
 
 
 @pytest.fixture(scope="module")
