@@ -3,6 +3,7 @@
     python scripts/check_chapters.py                  # every chapters/NN-slug/README.md, and README.md
     python scripts/check_chapters.py 03 chapters/04-kv-block-manager/README.md
     python scripts/check_chapters.py --outputs 01 03  # slow: rerun the marked outputs of chapters 01 and 03
+    python scripts/check_chapters.py --sync-data 05   # copy results/05-*/ outputs into the blocks that show them
 
 A chapter is checked against its stage: the commit whose trailer is `Stage: NN-slug` for `chapters/NN-slug/`
 (found in `git log` as scripts/tag_stages.sh does, so no tags are needed); a chapter whose stage has no commit
@@ -22,6 +23,10 @@ yet, against the working tree. Files are read with `git show`, so the default mo
 |             | every module                                                          |                   |
 | outputs     | `<!-- output: CMD -->` before a block: rerun CMD at the stage and     | chapter_outputs   |
 |             | compare (`--outputs` only)                                            |                   |
+| data        | a section with a measured number (a rate, a time, a ratio) has a      | chapter_data      |
+|             | `Data:` line naming files under results/ that scripts/reproduce.py   |                   |
+|             | wrote from a command the chapter shows; a block after the line is the |                   |
+|             | file's output (`--sync-data` rewrites it from the file)               |                   |
 
 Each module's docstring has its rules in full. Every failure is printed as `file:line: why`; the exit status
 is 1 if there is any.
@@ -34,6 +39,7 @@ import re
 import sys
 from pathlib import Path
 
+from chapter_data import check_data, sync
 from chapter_doc import REPO, Block, Snapshots, previous_commit, read_document, stage_commits
 from chapter_excerpts import check_excerpts, match_excerpt
 from chapter_names import check_names
@@ -55,6 +61,7 @@ def check_chapter(chapter: Path, commits: dict[str, str], files: Snapshots) -> l
         + check_names(doc, stage, commits, files)
         + check_words(doc)
         + check_marks(doc)
+        + check_data(doc)
     )
 
 
@@ -76,6 +83,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("chapters", nargs="*", help="chapter READMEs, folders or numbers (default: all)")
     parser.add_argument("--outputs", action="store_true", help="rerun the marked outputs at their stage (slow)")
     parser.add_argument("--workdir", type=Path, help="with --outputs: keep the stage worktrees in this folder")
+    parser.add_argument("--sync-data", action="store_true", help="rewrite the blocks after Data: lines from results/")
     parser.add_argument("--timeout", type=int, default=900, help="with --outputs: seconds per command")
     args = parser.parse_args(argv)
     chapters = chapter_paths(args.chapters)
@@ -84,13 +92,19 @@ def main(argv: list[str]) -> int:
         import chapter_outputs
 
         return chapter_outputs.main(chapters, commits, args.workdir, args.timeout)
+    if args.sync_data:
+        docs = [read_document(c) for c in chapters] + ([] if args.chapters else [read_document(REPO / "README.md")])
+        for doc in docs:
+            if changed := sync(doc):
+                print(f"{doc.name}: {changed} blocks rewritten from results/")
+        return 0
     files = Snapshots()
     failures: list[str] = []
     for chapter in chapters:
         failures += check_chapter(chapter, commits, files)
     if not args.chapters:
         readme = read_document(REPO / "README.md")
-        failures += check_words(readme) + check_marks(readme) + check_layout(readme)
+        failures += check_words(readme) + check_marks(readme) + check_layout(readme) + check_data(readme)
     excerpts = sum(1 for c in chapters for b in code_blocks(c) if b.excerpt_of)
     for failure in failures:
         print(failure)

@@ -1,0 +1,129 @@
+"""The chapters' numbers come from results/: scripts/reproduce.py records them, scripts/chapter_data.py checks the
+chapters against the records."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import tomllib
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+import check_chapters  # noqa: E402
+import reproduce  # noqa: E402
+from chapter_data import check_data, sync  # noqa: E402
+from chapter_doc import read_document, stage_commits  # noqa: E402
+from chapter_outputs import Stages  # noqa: E402
+
+STAGE03 = "03-offline-scheduler"
+RECORD03 = "results/03-offline-scheduler/offline-requests.json"
+
+
+def test_the_median_output_takes_each_differing_number_over_the_runs():
+    runs = ["rate 10.0 tok/s, 2.00x, r1\n", "rate 30.5 tok/s, 1.50x, r1\n", "rate 20 tok/s, 3.00x, r1\n"]
+    assert reproduce.median_output(runs) == "rate 20.0 tok/s, 2.00x, r1\n"
+    assert reproduce.median_output(["a 1\nb 2\n", "a 3\nb 4\n"]) == "a 2\nb 3\n"  # an even count: the mean of two
+    assert reproduce.median_output(["a 1\n", "b 1\n"]) is None  # not the same shape
+    assert reproduce.median_output(["a 1\n", "a 1 2\n"]) is None
+
+
+def test_the_output_is_what_a_terminal_shows_with_the_reader_s_folders():
+    out = "wrote /tmp/w/roseinfer-05/chapters/x.png\r\n 50%|##  |\rdone\n/tmp/w/roseinfer-03/a\n\x1b"
+    cleaned = reproduce.clean(out, {"/tmp/w/roseinfer-05": ".", "/tmp/w": ".."})
+    assert cleaned.splitlines()[:3] == ["wrote ./chapters/x.png", "done", "../roseinfer-03/a"]
+
+
+def test_runs_toml_is_checked(tmp_path):
+    folder = tmp_path / "05-x"
+    folder.mkdir()
+    (folder / "runs.toml").write_text('[[run]]\nname = "a"\ncommand = "x"\n[[run]]\nname = "a"\ncommand = "y"\n')
+    with pytest.raises(ValueError, match="repeat"):
+        reproduce.load_runs(folder)
+    (folder / "runs.toml").write_text('[[run]]\nname = "a"\ncommand = "x"\nwhere = "gpu"\n')
+    with pytest.raises(ValueError, match="where"):
+        reproduce.load_runs(folder)
+
+
+def test_every_record_in_results_comes_from_a_run_of_its_stage():
+    for toml in sorted(REPO.glob("results/[0-9][0-9]-*/runs.toml")):
+        runs = {r.name: r for r in reproduce.load_runs(toml.parent)}
+        assert runs, toml
+        for data in toml.parent.glob("*.json"):
+            record = json.loads(data.read_text())
+            if "runs" not in record:  # a file a command wrote itself (benchmark.py --json)
+                continue
+            assert data.stem in runs, f"{data}: no run named {data.stem} in {toml}"
+            assert record["command"] == runs[data.stem].command, data
+            assert record["stage"] == toml.parent.name and len(record["runs"]) == runs[data.stem].repeats, data
+            assert all(isinstance(run["seconds"], float) for run in record["runs"])
+
+
+def test_a_run_is_recorded_at_its_stage_with_the_median(tmp_path, monkeypatch):
+    monkeypatch.setattr(reproduce, "RESULTS", tmp_path / "results")
+    commits = stage_commits()
+    stages = Stages(commits, None)
+    run = reproduce.Run(STAGE03, "probe", "ls scripts/offline_example.py; pwd; echo 'took {run}.5 s'", repeats=3)
+    try:
+        data = reproduce.reproduce(run, stages, commits[STAGE03])
+    finally:
+        stages.close()
+    record = json.loads(data.read_text())
+    assert data == tmp_path / "results" / STAGE03 / "probe.json"
+    assert record["commit"] == commits[STAGE03] and record["command"] == run.command
+    assert [r["output"] for r in record["runs"]][1] == "scripts/offline_example.py\n.\ntook 2.5 s\n"
+    assert record["median"] == "scripts/offline_example.py\n.\ntook 2.5 s\n"
+
+
+def _chapter(tmp_path, text: str):
+    chapter = tmp_path / STAGE03 / "README.md"
+    chapter.parent.mkdir(exist_ok=True)
+    chapter.write_text(text)
+    return read_document(chapter)
+
+
+OUTPUT03 = json.loads((REPO / RECORD03).read_text())["runs"][0]["output"]
+SHOWN03 = f"## 5. Measured\n\n```bash\npython scripts/measure_offline.py\n```\n\nData: `{RECORD03}`.\n\n"
+
+
+def test_a_measured_number_needs_a_data_line_in_its_section(tmp_path):
+    assert "names no Data: file" in check_data(_chapter(tmp_path, "## 5. Measured\n\nIt ran at 726 tokens/s.\n"))[0]
+    assert "names no Data: file" in check_data(_chapter(tmp_path, "## 5\n\n```\nx 14.09 s\n```\n"))[0]
+    assert "names no Data: file" in check_data(_chapter(tmp_path, "## 5\n\nThat is 1.62× faster.\n"))[0]
+    for fine in ["the 400s and 500s", "`--timeout 120 s`", "3 × 4 blocks", "[A paper](https://x) saw 2.5x."]:
+        assert check_data(_chapter(tmp_path, f"## 5\n\n{fine}\n")) == [], fine
+    assert check_data(_chapter(tmp_path, SHOWN03 + "So 400 tokens/s.\n")) == []
+
+
+def test_a_block_after_a_data_line_is_its_output(tmp_path):
+    good = SHOWN03 + f"```\n{OUTPUT03}```\n"
+    assert check_data(_chapter(tmp_path, good)) == []
+    first, *_ = OUTPUT03.splitlines()
+    assert check_data(_chapter(tmp_path, SHOWN03 + f"```\n{first}\n...\n```\n")) == []  # `...` skips lines
+    edited = good.replace(OUTPUT03.splitlines()[-1], OUTPUT03.splitlines()[-1] + "9")
+    assert (
+        "is not results/03-offline-scheduler/offline-requests.json's output"
+        in check_data(_chapter(tmp_path, edited))[0]
+    )
+    doc = _chapter(tmp_path, edited)
+    assert sync(doc) == 1 and check_data(read_document(doc.path)) == []
+
+
+def test_a_data_file_exists_and_its_command_is_shown(tmp_path):
+    missing = check_data(_chapter(tmp_path, "## 5\n\nData: `results/03-offline-scheduler/nope.json`.\n"))
+    assert "no such data file" in missing[0]
+    unshown = check_data(_chapter(tmp_path, SHOWN03.replace("measure_offline.py", "offline_example.py")))
+    assert "does not show `python scripts/measure_offline.py`" in unshown[0]
+
+
+def test_runs_toml_files_use_only_known_keys():
+    for toml in sorted(REPO.glob("results/[0-9][0-9]-*/runs.toml")):
+        spec = tomllib.loads(toml.read_text())
+        assert all(set(r) <= {"name", "command", "repeats", "where", "record", "timeout"} for r in spec["run"]), toml
+
+
+def test_sync_data_rewrites_from_the_command_line(tmp_path):
+    doc = _chapter(tmp_path, SHOWN03 + "```\nold\n```\n")
+    assert check_chapters.main(["--sync-data", str(doc.path)]) == 0
+    assert OUTPUT03.splitlines()[0] in doc.path.read_text()
