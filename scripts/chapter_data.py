@@ -81,7 +81,7 @@ def runs_commands(stage: str) -> set[str]:
 
 def shows_command(doc: Document, command: str) -> bool:
     """The command (any `{run}` loop variable aside) is in a shell block, an output mark or backquotes."""
-    want = re.sub(r"\s+", " ", command.replace("{repo}/", "")).strip()
+    want = re.sub(r"\s+", " ", re.sub(r"\\\n", " ", command.replace("{repo}/", ""))).strip()
     text = [b.mark or "" for b in doc.blocks] + ["\n".join(b.lines) for b in doc.blocks if b.lang in SHELL]
     text += [t for _, t in doc.prose]
     flat = re.sub(r"\s+", " ", re.sub(r"\\\n", " ", "\n".join(text)))
@@ -92,7 +92,7 @@ def shows_command(doc: Document, command: str) -> bool:
 
 def compare(block: Block, output: str) -> str | None:
     shown = list(block.lines)
-    while shown and shown[0].startswith("$ "):
+    while shown and shown[0].startswith("$ ") and not output.startswith(shown[0]):  # the command, unless printed
         shown.pop(0)
     want, have = shown_lines("\n".join(shown)), ["<start>", *shown_lines(output), "<end>"]
     if not (want and want[0] == ELISION):
@@ -103,7 +103,16 @@ def compare(block: Block, output: str) -> str | None:
 
 
 def data_lines(doc: Document) -> list[tuple[int, list[str]]]:
-    return [(n, DATA_PATH.findall(t)) for n, t in doc.prose if DATA_LINE.match(t)]
+    """(the last line of each Data: paragraph, the paths it names)."""
+    text = dict(doc.prose)
+    found = []
+    for n, t in doc.prose:
+        if DATA_LINE.match(t):
+            last = n
+            while text.get(last + 1, "").strip() and not text[last + 1].strip().startswith("<!--"):
+                last += 1
+            found.append((last, DATA_PATH.findall(" ".join(text[k] for k in range(n, last + 1)))))
+    return found
 
 
 def check_data(doc: Document) -> list[str]:
@@ -174,9 +183,11 @@ def sync(doc: Document) -> int:
         record = json.loads(found[0].read_text(encoding="utf-8"))
         if "runs" not in record:
             continue
-        head = [block.lines[0]] if block.lines and block.lines[0].startswith("$ ") else []
+        output = recorded_output(record)
+        first = block.lines[0] if block.lines else ""
+        head = [first] if first.startswith("$ ") and not output.startswith(first) else []
         indent = re.match(r"\s*", text[block.start - 2]).group(0)
-        new = head + recorded_output(record).rstrip("\n").split("\n")
+        new = head + output.rstrip("\n").split("\n")
         old = text[block.start - 1 : block.start - 1 + len(block.lines)]
         new = [indent + x if x else x for x in new]
         if new != old:

@@ -1,7 +1,7 @@
 """Which PyTorch ops take an engine's time? torch.profiler over `LLM.generate`, the ops with the most time of
 their own (chapter 18).
 
-    python scripts/profile_ops.py --model smollm2-135m --threads 2 --json chapters/18-llama-family/data/ops.json
+    python scripts/profile_ops.py --model smollm2-135m --threads 2 --json results/18-llama-family/ops.json
 
 32 requests (token-id prompts of 16 to 128 random ids, seed 0), 64 greedy tokens each, max_num_seqs 32, a 4 GiB
 KV pool. `--model` takes what scripts/benchmark.py takes (a directory, or gpt2 / smollm2-135m for random weights).
@@ -56,6 +56,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['op']:<36} {r['share']:>7.1%} {r['self_ms']:>9.1f} {r['calls']:>7}")
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(dict(model=args.model, threads=args.threads, tok_s=tok_s, ops=rows), indent=1))
 
 

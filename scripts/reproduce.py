@@ -85,21 +85,25 @@ def clean(output: str, folders: dict[str, str]) -> str:
 
 def median_output(outputs: list[str]) -> str | None:
     """Each number that differs between the outputs becomes its median, written with as many decimals as the
-    most precise run wrote it; None when the outputs differ in anything but numbers."""
+    most precise run wrote it, in the first run's layout (a column keeps its right edge); None when the
+    outputs differ in anything but numbers and spacing."""
     shapes = [NUMBER.split(o) for o in outputs]
     values = [NUMBER.findall(o) for o in outputs]
-    if any(s != shapes[0] for s in shapes) or any(len(v) != len(values[0]) for v in values):
+    flat = [[re.sub(r"[ \t]+", " ", part) for part in shape] for shape in shapes]
+    if any(f != flat[0] for f in flat) or any(len(v) != len(values[0]) for v in values):
         return None
-    cells = []
-    for column in zip(*values, strict=True):
-        if len(set(column)) == 1:
-            cells.append(column[0])
-            continue
-        decimals = max(len(c.partition(".")[2]) for c in column)
-        cells.append(f"{statistics.median(float(c) for c in column):.{decimals}f}")
     out = shapes[0][0]
-    for cell, text in zip(cells, shapes[0][1:], strict=True):
-        out += cell + text
+    for i, column in enumerate(zip(*values, strict=True)):
+        cell = column[0]
+        if len(set(column)) > 1:
+            decimals = max(len(c.partition(".")[2]) for c in column)
+            cell = f"{statistics.median(float(c) for c in column):.{decimals}f}"
+        pad = len(column[0]) - len(cell)  # keep the right edge of a right-aligned column
+        if pad > 0 and out.endswith(" "):
+            out += " " * pad
+        elif pad < 0 and out.endswith(" " * (1 - pad)):  # a wider cell eats spaces, leaving at least one
+            out = out[:pad]
+        out += cell + shapes[0][i + 1]
     return out
 
 

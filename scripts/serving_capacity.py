@@ -3,7 +3,7 @@
     python scripts/serving_capacity.py                                       # every engine, rates 2 4 8 16 32
     python scripts/serving_capacity.py --engines roseinfer vllm-cpu --rates 8 16 --duration 60 --search-steps 3
     python scripts/serving_capacity.py --engine-rates hf-serve=1,2,4 --plot
-    python scripts/serving_capacity.py --replot chapters/19-openai-serving/data/capacity-t2-r1.json
+    python scripts/serving_capacity.py --replot results/19-openai-serving/capacity-t2-r1.json
 
 For each engine in turn (never two at once): start its OpenAI-compatible server on a free loopback port
 (scripts/serving_peers.py: the same model, KV budget, thread count and batch caps for all), warm it up, then hold
@@ -50,7 +50,7 @@ from serving_peers import BUNDLED, ENGINES, Server, ServerConfig, free_port, mis
 from serving_window import Criteria, Workload, capacity, judge, next_rate, run_window, window_row  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = REPO / "chapters" / "19-openai-serving" / "data"
+DATA = REPO / "results" / "19-openai-serving"
 
 
 def environment(cfg: ServerConfig) -> dict:
@@ -228,7 +228,7 @@ def plot(doc: dict, path: Path) -> None:
 
 
 def default_out(threads: int) -> Path:
-    """chapters/19-openai-serving/data/capacity-t<threads>-r<n>.json with the first free n."""
+    """results/19-openai-serving/capacity-t<threads>-r<n>.json with the first free n."""
     n = 1
     while (DATA / f"capacity-t{threads}-r{n}.json").exists():
         n += 1
@@ -270,7 +270,7 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--vllm-enforce-eager", action="store_true", help="vLLM without torch.compile")
-    ap.add_argument("--out", type=Path, default=None, help="JSON (default: data of chapter 19)")
+    ap.add_argument("--out", type=Path, default=None, help="JSON (default: results/19-openai-serving/)")
     ap.add_argument("--plot", action="store_true", help="also draw <out>.png")
     ap.add_argument("--replot", type=Path, default=None, help="only print the table and plot of this JSON")
     args = ap.parse_args()

@@ -26,6 +26,9 @@ def test_the_median_output_takes_each_differing_number_over_the_runs():
     assert reproduce.median_output(runs) == "rate 20.0 tok/s, 2.00x, r1\n"
     assert reproduce.median_output(["a 1\nb 2\n", "a 3\nb 4\n"]) == "a 2\nb 3\n"  # an even count: the mean of two
     assert reproduce.median_output(["a 1\n", "b 1\n"]) is None  # not the same shape
+    columns = ["x   8.88 y\n", "x  10.21 y\n", "x  12.50 y\n"]  # widths differ, the right edge stays
+    assert reproduce.median_output(columns) == "x  10.21 y\n"
+    assert reproduce.median_output(columns[1:] + columns[:1]) == "x  10.21 y\n"
     assert reproduce.median_output(["a 1\n", "a 1 2\n"]) is None
 
 
@@ -52,7 +55,7 @@ def test_every_record_in_results_comes_from_a_run_of_its_stage():
         assert runs, toml
         for data in toml.parent.glob("*.json"):
             record = json.loads(data.read_text())
-            if "runs" not in record:  # a file a command wrote itself (benchmark.py --json)
+            if not {"stage", "command", "runs", "median"} <= set(record):  # a file a command wrote (--json)
                 continue
             assert data.stem in runs, f"{data}: no run named {data.stem} in {toml}"
             assert record["command"] == runs[data.stem].command, data
@@ -108,6 +111,14 @@ def test_a_block_after_a_data_line_is_its_output(tmp_path):
     )
     doc = _chapter(tmp_path, edited)
     assert sync(doc) == 1 and check_data(read_document(doc.path)) == []
+
+
+def test_a_wrapped_data_line_and_a_continued_command(tmp_path):
+    wrapped = SHOWN03.replace("Data: `", "Data: the table,\nfrom `") + "```\nnot the output\n```\n"
+    assert (
+        "is not results/03-offline-scheduler/offline-requests.json's output"
+        in check_data(_chapter(tmp_path, wrapped))[0]
+    )
 
 
 def test_a_data_file_exists_and_its_command_is_shown(tmp_path):
