@@ -31,7 +31,7 @@ from pathlib import Path
 
 import tomllib
 from chapter_doc import ELISION, REPO, SHELL, Block, Document
-from chapter_excerpts import match_excerpt
+from chapter_outputs import match_output
 
 DATA_LINE = re.compile(r"^\s*(?:[-*]\s+)?\**Data\**:")
 DATA_PATH = re.compile(r"`(results/[^`\s]+)`")
@@ -94,12 +94,7 @@ def compare(block: Block, output: str) -> str | None:
     shown = list(block.lines)
     while shown and shown[0].startswith("$ ") and not output.startswith(shown[0]):  # the command, unless printed
         shown.pop(0)
-    want, have = shown_lines("\n".join(shown)), ["<start>", *shown_lines(output), "<end>"]
-    if not (want and want[0] == ELISION):
-        want.insert(0, "<start>")
-    if want[-1] != ELISION:
-        want.append("<end>")
-    return match_excerpt(list(enumerate(want, start=block.start - 1)), have)
+    return match_output(shown_lines("\n".join(shown)), shown_lines(output), block.start)
 
 
 def data_lines(doc: Document) -> list[tuple[int, list[str]]]:

@@ -67,18 +67,25 @@ def normalise(text: str, folders: dict[str, str], timed: bool) -> list[str]:
     return lines
 
 
+def match_output(want: list[str], have: list[str], first_line: int) -> str | None:
+    """None if the block's lines `want` are the output `have`: all of it, unless `...` opens or closes the
+    block; `...` inside skips lines as in an excerpt. `first_line` is the chapter line of want[0]."""
+    want = list(want)
+    if not (want and want[0] == ELISION):
+        want.insert(0, START)
+    if want[-1:] != [ELISION]:
+        want.append(END)
+    return match_excerpt(list(enumerate(want, start=first_line - 1)), [START, *have, END])
+
+
 def compare(block: Block, stdout: str, folders: dict[str, str]) -> str | None:
     """None if the block is the output; else why not, and a diff."""
     shown = list(block.lines)
     while shown and shown[0].startswith("$ "):
         shown.pop(0)
     want = normalise("\n".join(shown), folders, block.timed)
-    have = [START, *normalise(stdout, folders, block.timed), END]
-    if not (want and want[0] == ELISION):
-        want.insert(0, START)
-    if want[-1] != ELISION:
-        want.append(END)
-    why = match_excerpt(list(enumerate(want, start=block.start - 1)), have)
+    have = normalise(stdout, folders, block.timed)
+    why = match_output(want, have, block.start)
     if why is None:
         return None
     diff = difflib.unified_diff(want, have, "chapter", "rerun", lineterm="", n=1)

@@ -40,7 +40,7 @@ from pathlib import Path
 import tomllib
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from chapter_doc import REPO, stage_commits  # noqa: E402
+from chapter_doc import REPO, git, stage_commits  # noqa: E402
 from chapter_outputs import PROGRESS, Stages, run  # noqa: E402
 
 RESULTS = REPO / "results"
@@ -177,8 +177,6 @@ def reproduce(r: Run, stages: Stages, commit: str | None) -> Path | None:
 
 
 def stage_head() -> str:
-    from chapter_doc import git
-
     return git("rev-parse", "HEAD").strip()
 
 
