@@ -7,8 +7,9 @@
 
 Rules, each failure printed as `file:line: why`:
 
-1. A `Data:` line names files under results/ in backquotes (a `*` is a glob); each matches a file in this
-   checkout.
+1. A `Data:` line names files under results/ in backquotes (a `*` is a glob), or a bundled model's
+   training_report.json (which scripts/train_tiny_model.py writes next to the weights); each matches a file in
+   this checkout.
 2. A file with a `command` (a record that scripts/reproduce.py wrote) comes from a `[[run]]` of its stage's
    results/NN-slug/runs.toml with that same command, and the chapter shows the command (in a shell block, an
    output mark or backquotes), so a reader can run it.
@@ -34,7 +35,7 @@ from chapter_doc import ELISION, REPO, SHELL, Block, Document
 from chapter_outputs import match_output
 
 DATA_LINE = re.compile(r"^\s*(?:[-*]\s+)?\**Data\**:")
-DATA_PATH = re.compile(r"`(results/[^`\s]+)`")
+DATA_PATH = re.compile(r"`(results/[^`\s]+|roseinfer/models/[\w.-]+/training_report\.json)`")
 CODE_SPAN = re.compile(r"`[^`]*`")
 LINK = re.compile(r"\]\([^)]+\)|https?://")
 NUM = r"(?<![\w.])\d[\d,]*(?:\.\d+)?"

@@ -176,6 +176,14 @@ def reproduce(r: Run, stages: Stages, commit: str | None) -> Path | None:
     return r.data
 
 
+def recorded_seconds(r: Run) -> float | None:
+    """How long the run's last recording took, all repeats together; None if it has no record with times."""
+    if not r.record or not r.data.is_file():
+        return None
+    runs = json.loads(r.data.read_text(encoding="utf-8")).get("runs")
+    return sum(x["seconds"] for x in runs) if isinstance(runs, list) else None
+
+
 def stage_head() -> str:
     return git("rev-parse", "HEAD").strip()
 
@@ -192,9 +200,16 @@ def main(argv: list[str]) -> int:
         dirs = [d for d in dirs if d.name[:2] in {f"{int(s):02d}" for s in args.stages}]
     runs = [r for d in dirs for r in load_runs(d) if not args.only or r.name in args.only]
     if args.list:
+        total, unknown = 0.0, 0
         for r in runs:
             data = r.data.relative_to(REPO) if r.record else "(no data: setup)"
-            print(f"{r.stage:28} {r.name:24} x{r.repeats} {data}\n    {r.command}")
+            seconds = recorded_seconds(r)
+            total += seconds or 0.0
+            unknown += seconds is None and r.record
+            took = "      " if seconds is None else f"{seconds / 60:5.1f}m"
+            print(f"{r.stage:28} {r.name:24} x{r.repeats} {took} {data}\n    {r.command}")
+        print(f"{len(runs)} runs; their last recorded runs took {total / 60:.0f} minutes", end="")
+        print(f", and {unknown} have no record yet" if unknown else "")
         return 0
     commits = stage_commits()
     os.environ["ROSEINFER_SAVE_FIGURES"] = "1"

@@ -5,11 +5,12 @@
 # medians), records its output in results/NN-slug/NAME.json, and copies the figures it draws
 # into this checkout's chapters/. Then `git diff` shows what moved, and
 # `python scripts/check_chapters.py --sync-data` copies the new outputs into the chapters.
-# On 2 CPU cores the whole run takes a few hours; one stage takes minutes.
+# `--list` prints how long each run took when it was last recorded, and the sum: on 2 CPU cores the
+# whole run takes hours (the peer comparisons of stages 17-19 most of it); one stage takes minutes.
 #   ./scripts/reproduce.sh                  # every stage
 #   ./scripts/reproduce.sh 04 07            # some stages
 #   ./scripts/reproduce.sh 09 --only gpt2-t2
-#   ./scripts/reproduce.sh --list           # the runs and their data files
+#   ./scripts/reproduce.sh --list           # the runs, their data files, and how long they took
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"

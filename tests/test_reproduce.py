@@ -126,6 +126,10 @@ def test_a_data_file_exists_and_its_command_is_shown(tmp_path):
     assert "no such data file" in missing[0]
     unshown = check_data(_chapter(tmp_path, SHOWN03.replace("measure_offline.py", "offline_example.py")))
     assert "does not show `python scripts/measure_offline.py`" in unshown[0]
+    report = "## 5\n\nIt took 21 minutes.\nData: `roseinfer/models/tiny-llama-shakespeare/training_report.json`.\n"
+    assert check_data(_chapter(tmp_path, report)) == []
+    elsewhere = check_data(_chapter(tmp_path, report.replace("models/tiny-llama-shakespeare/training_report", "x")))
+    assert "names no `results/...` file" in elsewhere[0]
 
 
 def test_runs_toml_files_use_only_known_keys():
