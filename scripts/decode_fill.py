@@ -25,10 +25,7 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def count_step(seq_lens: list[int], block_size: int, runs: list[tuple[int, int, int]]) -> tuple[int, ...]:
@@ -81,23 +78,24 @@ def measure(code: Path) -> dict:
 
 
 def in_stage(number: str) -> dict:
-    """`measure` on a stage's code: its tag in a temporary worktree, in a fresh process."""
-    subprocess.run([str(REPO / "scripts" / "tag_stages.sh")], check=True, capture_output=True)
-    tags = subprocess.run(["git", "tag", "--list", f"stage-{number}-*"], cwd=REPO, check=True, capture_output=True,
-                          text=True).stdout.split()  # fmt: skip
-    if len(tags) != 1:
-        raise SystemExit(f"no single tag for stage {number}: {tags}")
-    with tempfile.TemporaryDirectory(prefix=f"roseinfer-{number}-") as tmp:
-        wt = Path(tmp) / "wt"
-        subprocess.run(["git", "worktree", "add", "--quiet", "--detach", str(wt), tags[0]], cwd=REPO, check=True)
-        try:
-            r = subprocess.run([sys.executable, __file__, "--code", str(wt), "--json-only"], cwd=wt,
-                               capture_output=True, text=True)  # fmt: skip
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(wt)], cwd=REPO, check=True)
+    """`measure` on a stage's code: its commit in a temporary worktree, in a fresh process."""
+    from chapter_doc import stage_commits
+    from chapter_outputs import Stages
+
+    commits = stage_commits()
+    name = next((s for s in commits if s.startswith(f"{number}-")), None)
+    if name is None:
+        raise SystemExit(f"no stage {number}")
+    stages = Stages(commits, None)
+    try:
+        wt = stages.checkout(number)
+        r = subprocess.run([sys.executable, __file__, "--code", str(wt), "--json-only"], cwd=wt,
+                           capture_output=True, text=True)  # fmt: skip
+    finally:
+        stages.close()
     if r.returncode != 0:
         raise SystemExit(f"stage {number} failed:\n{r.stderr[-2000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1]) | {"code": tags[0]}
+    return json.loads(r.stdout.strip().splitlines()[-1]) | {"code": f"stage-{name}"}
 
 
 def main() -> int:

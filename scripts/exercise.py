@@ -48,6 +48,7 @@ from pathlib import Path
 import tomllib  # Python 3.11 (scripts/setup.sh makes .venv with python3.11)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from chapter_doc import stage_commits  # noqa: E402  (the Stage: trailers, so a clone without tags works too)
 from exercise_stub import is_stubbed, replace_function, stub_source  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,18 +103,6 @@ def manifests() -> dict[str, Manifest]:
 
 def git(*args: str, cwd: Path = REPO, check: bool = True) -> str:
     return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=check).stdout
-
-
-def stage_commits() -> dict[str, str]:
-    """NN-slug -> commit, from the `Stage:` trailers in HEAD's history (what scripts/tag_stages.sh reads), so
-    a clone without the tags works too. The newest commit of a stage wins."""
-    out = git("log", "--format=%H%x09%(trailers:key=Stage,valueonly,separator=%x2C)", "HEAD")
-    commits: dict[str, str] = {}
-    for line in out.splitlines():
-        sha, _, stages = line.partition("\t")
-        for stage in filter(None, (s.strip() for s in stages.split(","))):
-            commits.setdefault(stage, sha)
-    return commits
 
 
 def resolve(nn: str) -> tuple[Manifest, str]:
