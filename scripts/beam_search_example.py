@@ -35,7 +35,6 @@ def main() -> None:
     eng.trace = []
     params = BeamSearchParams(args.beam_width, args.max_tokens)
     eng.add_request("b", args.prompt, params)
-    group = eng.scheduler.requests["b"].group  # the beams: "b", "b#1", ... (roseinfer/core/request.py)
     print(f"beam search, width {args.beam_width}, block size {args.block_size}; prompt {args.prompt!r}")
     print("after each step: beam, its generated tokens, its block table (NxR = block N held by R beams)\n")
     result = None
@@ -45,11 +44,11 @@ def main() -> None:
         t = eng.trace[-1]
         print(f"step {t['step']}: {len(t['preempted_req_ids'])} preempted, "
               f"{len(t.get('ref_counts', {}))} blocks in use")  # fmt: skip
-        for beam in group.seqs:
-            table = t["block_tables"].get(beam.request_id)
+        for beam, tokens in t["groups"].get("b", {}).items():  # the beams: "b", "b#1", ... and their tokens
+            table = t["block_tables"].get(beam)
             if table is not None:
-                ids = " ".join(map(str, beam.output_token_ids[-6:]))
-                print(f"  {beam.request_id:<5} ...{ids:<28} blocks {blocks_row(table, t['ref_counts'])}")
+                ids = " ".join(map(str, tokens[-6:]))
+                print(f"  {beam:<5} ...{ids:<28} blocks {blocks_row(table, t['ref_counts'])}")
     print("\nfinished sequences, best first (score = cum_logprob / length ** length_penalty):")
     for c in result.outputs:
         print(f"  {c.cumulative_logprob / len(c.token_ids) ** params.length_penalty:8.4f}  {c.text!r}")
@@ -63,7 +62,7 @@ def main() -> None:
         peak = 0
         while e.has_unfinished_requests():
             e.step()
-            peak = max(peak, e.kv_cache_manager.num_used_blocks)
+            peak = max(peak, e.get_stats()["kv_blocks_used"])
         print(f"  {name:<11} prompt {len(prompt_ids)} tokens: at most {peak} KV blocks in use")
 
 

@@ -69,7 +69,7 @@ def main() -> None:
         rid: ref.generate([p], params, use_tqdm=False)[0].token_ids for rid, p in [*SHORT.items(), ("long", long_ids)]
     }
     same = sum(done[r] == solo[r] for r in solo)
-    print(f"\n{step} steps; blocks in use after the run: {eng.kv_cache_manager.stats().used_blocks}")
+    print(f"\n{step} steps; blocks in use after the run: {eng.get_stats()['kv_blocks_used']}")
     print("all outputs equal their solo runs" if same == len(solo) else f"only {same}/{len(solo)} equal solo runs!")
 
 

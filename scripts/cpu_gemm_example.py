@@ -40,7 +40,7 @@ def main() -> None:
     tokens = {}
     for backend in ("aten", "onednn"):
         llm = LLM(model=str(model), max_num_seqs=32, linear_backend=backend)
-        net = llm.llm_engine.model_runner.model
+        net = llm.llm_engine.engine_core.apply_model(lambda model: model)  # rank 0's model, this process
         packed = sum(getattr(m, "packed", None) is not None for m in net.modules())
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
         t0 = time.perf_counter()

@@ -50,20 +50,11 @@ def show_steps(args) -> None:
     eng = LLMEngine(device="cpu", block_size=args.block_size, num_blocks=64, enable_prefix_caching=False)
     for rid, (prompt, params) in PROMPTS.items():
         eng.add_request(rid, prompt, params)
-    messages = []
-    step = eng.engine_core.scheduler.schedule
-
-    def spy():
-        so = step()
-        messages.append(so)
-        return so
-
-    eng.engine_core.scheduler.schedule = spy
     n = 0
     while eng.has_unfinished_requests() and n < args.steps:
         outs = eng.step()
         n += 1
-        so = messages[-1]
+        so = eng.last_scheduler_output  # the step's message, as the core sent it to the runner
         print(f"step {n}: {so.total_num_scheduled_tokens} token(s), message {len(pickle.dumps(so))} bytes pickled")
         for line in describe(so):
             print("   ", line)
@@ -82,7 +73,8 @@ def time_layers(args) -> None:
     for i in range(args.requests):
         eng.add_request(str(i), list(range(1 + i % 50, 17 + i % 50)), SamplingParams(temperature=0, max_tokens=40))
     eng.step()  # the prefills
-    core, runner = eng.engine_core, eng.model_runner
+    core = eng.engine_core.engine_core  # the in-process EngineCore, to time the parts of its step one by one
+    runner = core.model_runner
     spent = dict.fromkeys(("schedule", "runner", "update", "output processor"), 0.0)
     steps = 20
     for _ in range(steps):

@@ -66,7 +66,7 @@ def main() -> None:
                 note += f"  (preempted: {' '.join(t['preempted_req_ids'])}, to be recomputed)"
             print(f"\nstep {t['step']}: ran {' '.join(t['ran'])}{note}")
             print(render(t, args.block_size))
-    s = eng.kv_cache_manager.stats()
+    s = eng.get_scheduler_state()["stats"]
     print(f"\nafter the run: {s.used_blocks} blocks in use, {s.free_blocks} free")
 
 

@@ -41,7 +41,8 @@ H100_BF16_FLOPS = 989e12  # dense
 def measure_cost(model_dir: str | None, lengths: list[int], repeats: int) -> list[dict]:
     eng = LLMEngine(model_dir, device="cpu", dtype="float32", block_size=16, max_num_batched_tokens=4096,
                     enable_prefix_caching=False, swap_space=1)  # fmt: skip
-    kv, runner = eng.kv_cache_manager, eng.model_runner
+    core = eng.engine_core.engine_core  # the in-process EngineCore: this measurement times its parts one by one
+    kv, runner = core.kv_cache_manager, core.model_runner
     rows = []
     for L in lengths:
         recompute, swap = [], []
@@ -49,11 +50,11 @@ def measure_cost(model_dir: str | None, lengths: list[int], repeats: int) -> lis
             rid = f"L{L}-{r}"
             # max_tokens 2: after its prefill the request still runs, so it still holds its blocks
             eng.add_request(rid, [(7 * i + r) % 4000 for i in range(L)], SamplingParams(temperature=0, max_tokens=2))
-            sched = eng.scheduler.schedule()
+            sched = core.scheduler.schedule()
             t0 = time.perf_counter()
             out = runner.execute_model(sched)  # the prefill of L tokens: what a recompute redoes
             t1 = time.perf_counter()
-            eng.scheduler.update_from_output(sched, out)
+            core.scheduler.update_from_output(sched, out)
             t2 = time.perf_counter()
             out_pairs = kv.swap_out([rid])
             swap_blocks(runner.kv_cache.layers, runner.host_kv_cache.layers, out_pairs)
@@ -102,7 +103,8 @@ def watermark_counts(model_dir, num_blocks: int, watermarks: list[float], mode: 
         while eng.has_unfinished_requests():
             eng.step()
         s = eng.get_stats()
-        out.append((wm, eng.kv_cache_manager.watermark_blocks, s["num_preemptions"], eng.num_steps))
+        watermark_blocks = eng.engine_core.engine_core.kv_cache_manager.watermark_blocks  # (the in-process core)
+        out.append((wm, watermark_blocks, s["num_preemptions"], eng.num_steps))
     return out
 
 

@@ -52,7 +52,7 @@ def main() -> None:
             engine.add_request(rid, prompt, SamplingParams(temperature=0.8, top_k=40, max_tokens=n, seed=int(rid)))
             arrived[rid] = time.perf_counter()
             events.append(f"request {rid} arrives")
-        running_before = [s.request_id for s in engine.scheduler.running]
+        running_before = engine.get_scheduler_state()["running"]
         outputs = engine.step() if engine.has_unfinished_requests() else []
         now = time.perf_counter()
         for out in outputs:
@@ -64,8 +64,8 @@ def main() -> None:
                 done[out.request_id] = (now, len(out.token_ids), out.finish_reason)
         finished = [o.request_id for o in outputs if o.finished]
         if events or finished or step % 20 == 0:
-            waiting = " ".join(s.request_id for s in engine.scheduler.waiting) or "-"
-            running = " ".join(s.request_id for s in engine.scheduler.running) or "-"
+            state = engine.get_scheduler_state()
+            waiting, running = " ".join(state["waiting"]) or "-", " ".join(state["running"]) or "-"
             ended = " ".join(finished) or "-"
             line = f"step {step:3d} | waiting: {waiting:<10} | running: {running:<12} | finished: {ended}"
             print(line + ("   <- " + "; ".join(events) if events else ""))
@@ -75,7 +75,7 @@ def main() -> None:
         end, n, why = done[rid]
         ttft, total = 1000 * (first[rid] - arrived[rid]), 1000 * (end - arrived[rid])
         print(f"{rid:>7} {a:>12} {n:>10} {ttft:>8.1f} {total:>10.1f}  {why}")
-    print(f"KV blocks in use after the run: {engine.kv_cache_manager.stats().used_blocks}")
+    print(f"KV blocks in use after the run: {engine.get_stats()['kv_blocks_used']}")
 
 
 if __name__ == "__main__":

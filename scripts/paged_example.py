@@ -35,11 +35,11 @@ def main() -> None:
     for i, prompt in enumerate(PROMPTS):
         eng.add_request(str(i), prompt, params)
     print(f"{len(PROMPTS)} requests, {args.max_tokens} new tokens each; pool: {args.num_blocks} blocks of "
-          f"{args.block_size} tokens ({eng.model_runner.kv_cache.nbytes / 1024:.0f} KiB of K/V)")  # fmt: skip
+          f"{args.block_size} tokens ({eng.get_stats()['kv_cache_bytes'] / 1024:.0f} KiB of K/V)")  # fmt: skip
     texts = {}
     last_preemptions, step = 0, 0
     while eng.has_unfinished_requests():
-        running_before = [s.request_id for s in eng.scheduler.running]
+        running_before = eng.get_scheduler_state()["running"]
         for out in eng.step():
             if out.finished:
                 texts[out.request_id] = out.text
@@ -56,8 +56,8 @@ def main() -> None:
             print(f"\nstep {step}: ran {' '.join(t['ran'])}; waiting: {waiting}  {'; '.join(events)}")
             print(render(t, args.block_size))
             last_preemptions = t["preemptions"]
-    print(f"\n{eng.scheduler.num_preemptions} preemptions in {step} steps; "
-          f"blocks in use after the run: {eng.kv_cache_manager.stats().used_blocks}")  # fmt: skip
+    print(f"\n{eng.get_stats()['num_preemptions']} preemptions in {step} steps; "
+          f"blocks in use after the run: {eng.get_stats()['kv_blocks_used']}")  # fmt: skip
     ref = LLM(args.model, device=args.device)  # a pool with room for everyone: nobody is preempted
     solo = {str(i): ref.generate([p], params, use_tqdm=False)[0].text for i, p in enumerate(PROMPTS)}
     same = sum(texts[r] == solo[r] for r in solo)

@@ -56,13 +56,14 @@ def main() -> int:
         steps += 1
     dt = time.perf_counter() - t0
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    kv = eng.kv_cache_manager
-    leaks = {"blocks in use": kv.stats().used_blocks, "unfinished requests": len(eng.output_processor.requests),
-             "scheduled sequences": len(eng.scheduler.requests), "block tables": len(kv.block_tables)}  # fmt: skip
+    state, stats = eng.get_scheduler_state(), eng.get_stats()
+    leaks = {"blocks in use": stats["kv_blocks_used"], "unfinished requests": len(eng.output_processor.requests),
+             "scheduled sequences": len(state["running"] + state["waiting"] + state["swapped"]),
+             "block tables": len(state["block_tables"])}  # fmt: skip
     print(f"{args.num_requests} requests ({finished} finished {reasons}, {aborted} aborted) in {steps} steps")
     print(f"{out_tokens} output tokens in {dt:.1f}s: {out_tokens / dt:.0f} output tok/s, "
-          f"{eng.scheduler.num_preemptions} preemptions")  # fmt: skip
-    print(f"peak RSS {peak_mib:.0f} MiB (KV pool {eng.model_runner.kv_cache.nbytes / 2**20:.0f} MiB)")
+          f"{stats['num_preemptions']} preemptions")  # fmt: skip
+    print(f"peak RSS {peak_mib:.0f} MiB (KV pool {stats['kv_cache_bytes'] / 2**20:.0f} MiB)")
     print("leaks: " + ", ".join(f"{k} {v}" for k, v in leaks.items()))
     ok = finished + aborted == args.num_requests and not any(leaks.values())
     print("OK" if ok else "FAILED")

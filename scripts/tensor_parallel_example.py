@@ -51,16 +51,17 @@ def main() -> None:
 
     one = LLM(args.model, **kw)
     ids1 = [o.token_ids for o in one.generate(PROMPTS, params, use_tqdm=False)]
-    kv1 = one.llm_engine.model_runner.kv_cache.nbytes
+    kv1 = one.llm_engine.get_stats()["kv_cache_bytes"]
 
     t0 = time.perf_counter()
     llm = LLM(args.model, tensor_parallel_size=2, **kw)
-    runner = llm.llm_engine.model_runner  # a TensorParallelRunner: rank 0, and the workers' pids
+    # a look inside the in-process core: its runner is a TensorParallelRunner (rank 0, and the workers' pids)
+    runner = llm.llm_engine.engine_core.engine_core.model_runner
     print(f"LLM(tensor_parallel_size=2): rank 0 is this process (pid {os.getpid()}), rank 1 is pid {runner.pids[0]}; "
           f"started in {time.perf_counter() - t0:.1f} s")  # fmt: skip
 
     print("\n1. block 0 on rank 0 (nn.Linear weights are [out, in]):")
-    full = one.llm_engine.model_runner.model.transformer.h[0].state_dict()
+    full = one.llm_engine.engine_core.apply_model(lambda model: model.transformer.h[0].state_dict())
     for name, w in runner.model.transformer.h[0].state_dict().items():
         if name.endswith("weight") and "ln" not in name:
             print(f"   {name:<20} {str(tuple(w.shape)):<12} of {tuple(full[name].shape)}")
@@ -89,7 +90,7 @@ def main() -> None:
     print(f"\n5. llm.close(): worker {runner.pids[0]} running: {bool(running(runner.pids))}")
 
     llm = LLM(args.model, tensor_parallel_size=2, **kw)
-    pid = llm.llm_engine.model_runner.pids[0]
+    pid = llm.llm_engine.engine_core.engine_core.model_runner.pids[0]
     threading.Timer(0.3, os.kill, (pid, signal.SIGKILL)).start()
     print(f"\n6. kill -9 {pid} (rank 1) while 4 requests of 400 tokens run:")
     try:

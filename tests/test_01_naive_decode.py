@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PROMPTS, greedy_ids, hf_greedy, make_random_checkpoint, run_python
+from conftest import PROMPTS, core, greedy_ids, hf_greedy, make_random_checkpoint, run_python
 
 from roseinfer import DEFAULT_MODEL, LLM, SamplingParams
 from roseinfer.model_executor.gpt2 import GPT2
@@ -40,7 +40,7 @@ def dense_greedy_tokens(model: GPT2, prompt_ids: list[int], out_ids: list[int]) 
 @pytest.fixture(scope="module")
 def model(llm):
     """The GPT2 module inside the session LLM (its dense `forward` is the stage 01 model)."""
-    return llm.llm_engine.model_runner.model
+    return core(llm.llm_engine).model_runner.model
 
 
 @pytest.mark.parametrize("safetensors", [True, False], ids=["safetensors", "pytorch_model.bin"])
@@ -148,7 +148,7 @@ def test_stops_at_context_limit(tmp_path):
     prompt = list(range(1, 30))
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=50), use_tqdm=False)[0]
     assert 1 <= len(out.token_ids) <= 32 - 29
-    assert llm.llm_engine.kv_cache_manager.num_used_blocks == 0
+    assert core(llm.llm_engine).kv_cache_manager.num_used_blocks == 0
 
 
 def eos_always_checkpoint(path):

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from conftest import PROMPTS, greedy_ids, hf_greedy, make_random_checkpoint, run_python
+from conftest import PROMPTS, core, greedy_ids, hf_greedy, make_random_checkpoint, run_python
 from test_01_naive_decode import dense_greedy_tokens, eos_always_checkpoint
 
 from roseinfer import LLM, RequestOutputKind, SamplingParams
@@ -18,7 +18,7 @@ from roseinfer.worker.input_batch import InputBatch
 
 def test_kv_cache_greedy_equals_naive_equals_hf(llm, tokenizer, hf_model):
     """The engine decodes through its paged KV cache; its greedy tokens are the naive dense loop's and HF's."""
-    model = llm.llm_engine.model_runner.model
+    model = core(llm.llm_engine).model_runner.model
     for prompt in PROMPTS[:5]:
         ids = tokenizer.encode(prompt)
         cached = greedy_ids(llm, prompt, 64)
@@ -33,7 +33,7 @@ def test_prefill_and_decode_logits_equal_full_forward(llm, tokenizer):
     from roseinfer.core.kv_cache_manager import KVCacheManager
     from roseinfer.worker.kv_cache import KVCache
 
-    model = llm.llm_engine.model_runner.model
+    model = core(llm.llm_engine).model_runner.model
     ids = tokenizer.encode(PROMPTS[1])
     T = len(ids)
     bm = KVCacheManager(block_size=8, num_blocks=16)

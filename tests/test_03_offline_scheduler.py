@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import PROMPTS, greedy_ids, hf_greedy, run_python
+from conftest import PROMPTS, core, greedy_ids, hf_greedy, run_python
 
 from roseinfer import LLM, RequestOutput, SamplingParams
 
@@ -16,7 +16,7 @@ def engine(llm):
     eng.trace = None
     for rid in list(eng.output_processor.requests):  # a failed test must not leave requests behind
         eng.abort_request(rid)
-    assert eng.kv_cache_manager.num_used_blocks == 0, "KV blocks leaked"
+    assert core(eng).kv_cache_manager.num_used_blocks == 0, "KV blocks leaked"
 
 
 def run_all(eng) -> dict[str, RequestOutput]:
@@ -98,10 +98,10 @@ def test_invalid_request_raises_at_submission_and_others_are_unharmed(solo12, en
     engine.add_request("a", "Romeo.\n", greedy)
     with pytest.raises((ValueError, TypeError), match=match):
         engine.add_request("bad", bad, greedy)
-    assert "bad" not in engine.scheduler.requests and "bad" not in engine.output_processor.requests
+    assert "bad" not in core(engine).scheduler.requests and "bad" not in engine.output_processor.requests
     engine.add_request("b", "Hamlet.\n", greedy)
     engine.step()  # both mid-flight
-    assert {r.request_id for r in engine.scheduler.running} == {"a", "b"}
+    assert {r.request_id for r in core(engine).scheduler.running} == {"a", "b"}
     out = run_all(engine)
     assert set(out) == {"a", "b"}
     assert out["a"].token_ids == solo12["Romeo.\n"]

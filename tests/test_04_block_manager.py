@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import greedy_ids, run_all
+from conftest import core, greedy_ids, run_all
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -170,13 +170,13 @@ def test_generate_frees_every_block(llm):
     prompts = ["Romeo.\n", "Enter Hamlet, reading.\n" * 3, "To be"]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
     assert all(o.finished for o in outs)
-    kv = llm.llm_engine.kv_cache_manager
+    kv = core(llm.llm_engine).kv_cache_manager
     s = kv.stats()
     assert s.used_blocks == 0 and s.free_blocks == kv.num_blocks and not kv.block_tables
 
 
 def test_blocks_are_free_after_a_request_raised(llm, monkeypatch):
-    kv = llm.llm_engine.kv_cache_manager
+    kv = core(llm.llm_engine).kv_cache_manager
     with pytest.raises(ValueError, match="prompt 1"):
         llm.generate(["Romeo.", ""], use_tqdm=False)
     assert kv.stats().used_blocks == 0
@@ -193,7 +193,7 @@ def test_blocks_are_free_after_a_request_raised(llm, monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         llm.generate(["Romeo.", "Juliet.", "Nurse."], SamplingParams(max_tokens=8), use_tqdm=False)
     assert kv.stats().used_blocks == 0 and not kv.block_tables
-    assert not llm.llm_engine.has_unfinished_requests() and not llm.llm_engine.scheduler.requests
+    assert not llm.llm_engine.has_unfinished_requests() and not core(llm.llm_engine).scheduler.requests
     monkeypatch.undo()  # the engine still works afterwards
     assert greedy_ids(llm, "Romeo.", 8)
 
@@ -201,7 +201,7 @@ def test_blocks_are_free_after_a_request_raised(llm, monkeypatch):
 def test_block_tables_track_each_request(make_engine):
     eng = make_engine(block_size=4, num_blocks=64)
     eng.trace = []
-    kv = eng.kv_cache_manager
+    kv = core(eng).kv_cache_manager
     rid = "r"
     eng.add_request(rid, list(range(1, 11)), SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
     eng.step()  # prefill: 10 prompt tokens -> 3 blocks
@@ -219,7 +219,7 @@ def test_prompt_bigger_than_the_pool_is_refused_at_submission(make_engine):
     eng = make_engine(block_size=4, num_blocks=2)
     with pytest.raises(ValueError, match="KV blocks"):
         eng.add_request("big", list(range(1, 10)), SamplingParams(max_tokens=2))
-    assert not eng.has_unfinished_requests() and not eng.scheduler.requests and not eng.scheduler.waiting
+    assert not eng.has_unfinished_requests() and not core(eng).scheduler.requests and not core(eng).scheduler.waiting
 
 
 def test_waiting_for_blocks_then_running(llm, make_engine):
@@ -236,7 +236,7 @@ def test_waiting_for_blocks_then_running(llm, make_engine):
     assert out["b"] == greedy_ids(llm, list(range(20, 28)), 4, ignore_eos=True)
     end_a = next(t["step"] for t in eng.trace if "a" in t["finished"])
     assert next(t["step"] for t in eng.trace if "b" in t["ran"]) == end_a + 1  # b starts once a's blocks are free
-    assert eng.scheduler.num_preemptions == 0 and eng.kv_cache_manager.stats().used_blocks == 0
+    assert core(eng).scheduler.num_preemptions == 0 and core(eng).kv_cache_manager.stats().used_blocks == 0
 
 
 def test_pool_exhausted_mid_run_is_handled_and_leaks_nothing(llm, make_engine):
@@ -249,7 +249,7 @@ def test_pool_exhausted_mid_run_is_handled_and_leaks_nothing(llm, make_engine):
     eng.add_request("a", list(range(1, 9)), p)  # both prompts fit (2 + 2 blocks), neither can then grow
     eng.add_request("b", list(range(20, 28)), p)
     out = run_all(eng)
-    assert eng.scheduler.num_preemptions >= 1
+    assert core(eng).scheduler.num_preemptions >= 1
     assert out["a"] == greedy_ids(llm, list(range(1, 9)), 8, ignore_eos=True)
     assert out["b"] == greedy_ids(llm, list(range(20, 28)), 8, ignore_eos=True)
-    assert eng.kv_cache_manager.stats().used_blocks == 0
+    assert core(eng).kv_cache_manager.stats().used_blocks == 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import run_all, run_python
+from conftest import core, run_all, run_python
 
 from roseinfer import SamplingParams
 
@@ -26,7 +26,7 @@ def test_request_added_mid_decode_gets_its_solo_output(make_engine, solo):
     eng.add_request("b", "Enter Hamlet, reading.\n" * 4, GREEDY)
     for _ in range(6):
         eng.step()
-    assert {s.request_id for s in eng.scheduler.running} == {"a", "b"}
+    assert {s.request_id for s in core(eng).scheduler.running} == {"a", "b"}
     eng.add_request("c", "Nurse.\n", GREEDY)  # joins while a and b are mid-decode
     outs = eng.step()
     assert {o.request_id for o in outs} == {"a", "b", "c"}  # one step: c's prefill + a, b decodes
@@ -81,8 +81,8 @@ def test_later_waits_and_fcfs_keeps_order(make_engine, solo):
     eng.add_request("big2", list(range(20, 32)), p)  # 3 blocks: must wait (LATER)
     eng.add_request("small", [5], p)  # would fit, but FCFS: no overtaking
     eng.step()
-    assert [s.request_id for s in eng.scheduler.running] == ["big"]
-    assert [s.request_id for s in eng.scheduler.waiting] == ["big2", "small"]
+    assert [s.request_id for s in core(eng).scheduler.running] == ["big"]
+    assert [s.request_id for s in core(eng).scheduler.waiting] == ["big2", "small"]
     done = run_all(eng)
     assert done["big2"] == solo(list(range(20, 32)), p)
 
@@ -93,15 +93,15 @@ def test_abort_running_and_waiting_requests(make_engine, solo):
         eng.add_request(rid, prompt, GREEDY)
     eng.step()
     eng.step()
-    assert [r.request_id for r in eng.scheduler.running] == ["a", "b"]
-    assert [r.request_id for r in eng.scheduler.waiting] == ["c"]
-    kv = eng.kv_cache_manager
+    assert [r.request_id for r in core(eng).scheduler.running] == ["a", "b"]
+    assert [r.request_id for r in core(eng).scheduler.waiting] == ["c"]
+    kv = core(eng).kv_cache_manager
     used_before = kv.stats().used_blocks
     eng.abort_request("b")  # running
     eng.abort_request("c")  # waiting
     assert kv.stats().used_blocks < used_before
     assert "b" not in kv.block_tables and "c" not in kv.block_tables
-    assert eng.unfinished_request_ids == ["a"] and list(eng.scheduler.requests) == ["a"]
+    assert eng.unfinished_request_ids == ["a"] and list(core(eng).scheduler.requests) == ["a"]
     assert run_all(eng) == {"a": solo("Romeo.\n")}
     with pytest.raises(KeyError, match="unknown request id 'b'"):
         eng.abort_request("b")
@@ -146,7 +146,7 @@ def test_llm_generate_runs_on_the_engine_with_max_num_seqs():
     llm.llm_engine.trace = []
     outs = llm.generate(["Romeo.", "Juliet.", "Nurse.", "Friar."], SamplingParams(temperature=0, max_tokens=8))
     assert [o.prompt for o in outs] == ["Romeo.", "Juliet.", "Nurse.", "Friar."]
-    assert all(o.finished for o in outs) and llm.llm_engine.kv_cache_manager.stats().used_blocks == 0
+    assert all(o.finished for o in outs) and core(llm.llm_engine).kv_cache_manager.stats().used_blocks == 0
     assert max(len(t["running"]) for t in llm.llm_engine.trace) == 2
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import PROMPTS, hf_greedy
+from conftest import PROMPTS, core, hf_greedy
 
 from roseinfer import LLMEngine, SamplingParams
 from roseinfer.attention import paged_attention, write_kv
@@ -53,7 +53,7 @@ class _HandDriver:
     lacks, and records the attention metadata of the step's forward."""
 
     def __init__(self, eng: LLMEngine, monkeypatch):
-        self.kv, self.runner = eng.kv_cache_manager, eng.model_runner
+        self.kv, self.runner = core(eng).kv_cache_manager, core(eng).model_runner
         self.view = RunnerView(self.kv)
         self.reqs: dict[str, Request] = {}
         self.metas = []
@@ -84,8 +84,10 @@ def test_slot_mapping_and_block_tables_on_hand_made_cases(monkeypatch):
     """(Stage 09: the metadata is built by the model runner for the whole step, from its persistent batch
     (roseinfer/worker/input_batch.py) and what the SchedulerOutput says changed.)"""
     eng = LLMEngine(device="cpu", dtype="float32", block_size=4, num_blocks=16)
-    eng.kv_cache_manager.free_block_ids.clear()
-    eng.kv_cache_manager.free_block_ids.extend([9, 2, 14, 5, 7, 0, 3])  # hand out blocks in a known, scrambled order
+    core(eng).kv_cache_manager.free_block_ids.clear()
+    core(eng).kv_cache_manager.free_block_ids.extend(
+        [9, 2, 14, 5, 7, 0, 3]
+    )  # hand out blocks in a known, scrambled order
     d = _HandDriver(eng, monkeypatch)
     d.add("a", 6)
     d.add("b", 3)
@@ -127,31 +129,31 @@ def test_engine_greedy_equals_hf_and_the_uncached_path(tokenizer, hf_model):
     eng = LLMEngine(device="cpu", dtype="float32", block_size=8)
     greedy = SamplingParams(temperature=0, max_tokens=40)
     outs = {o.request_id: o.token_ids for o in eng.stream(PROMPTS, greedy) if o.finished}
-    model, eos = eng.model_runner.model, eng.config.model_config.eos_token_id
+    model, eos = core(eng).model_runner.model, eng.config.model_config.eos_token_id
     for i, prompt in enumerate(PROMPTS):
         ids = tokenizer.encode(prompt)
         assert outs[str(i)] == hf_greedy(hf_model, ids, 40), prompt
         assert _is_dense_greedy(model, ids, outs[str(i)], 40, eos), prompt
-    assert eng.kv_cache_manager.stats().used_blocks == 0
+    assert core(eng).kv_cache_manager.stats().used_blocks == 0
 
 
 def test_kv_lives_in_the_preallocated_pool():
     eng = LLMEngine(device="cpu", block_size=16, num_blocks=10)
-    pool, hf = eng.model_runner.kv_cache, eng.config.model_config.hf_config
+    pool, hf = core(eng).model_runner.kv_cache, eng.config.model_config.hf_config
     assert len(pool.layers) == hf.n_layer
     assert pool.layers[0][0].shape == (10, 16, hf.n_head, hf.head_dim)
     k0, before = pool.layers[0][0], pool.layers[0][0].clone()
     eng.add_request("a", "Romeo.\n", SamplingParams(temperature=0, max_tokens=4))
     eng.step()  # prefill writes the prompt's K/V into the request's block
-    block = eng.kv_cache_manager.get_block_table("a")[0]
+    block = core(eng).kv_cache_manager.get_block_table("a")[0]
     assert not torch.equal(pool.layers[0][0][block], before[block])
     # the request and the block books hold ids and counters, never a tensor: the K/V are only in the pool
-    req = eng.scheduler.requests["a"]
+    req = core(eng).scheduler.requests["a"]
     assert not any(isinstance(getattr(req, name), torch.Tensor) for name in Request.__slots__)
-    assert not any(isinstance(v, torch.Tensor) for v in vars(eng.kv_cache_manager).values())
+    assert not any(isinstance(v, torch.Tensor) for v in vars(core(eng).kv_cache_manager).values())
     while eng.has_unfinished_requests():
         eng.step()
-    assert eng.model_runner.kv_cache.layers[0][0] is k0  # the same tensor all along: never reallocated
+    assert core(eng).model_runner.kv_cache.layers[0][0] is k0  # the same tensor all along: never reallocated
 
 
 def test_small_pool_forces_preemption_and_every_request_still_gets_its_solo_output(llm):
@@ -167,11 +169,11 @@ def test_small_pool_forces_preemption_and_every_request_still_gets_its_solo_outp
         for out in eng.step():
             if out.finished:
                 done[out.request_id] = out.token_ids
-    assert eng.scheduler.num_preemptions > 0
+    assert core(eng).scheduler.num_preemptions > 0
     assert max(t["stats"].used_blocks for t in eng.trace) <= 14
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
         assert done[str(i)] == llm.generate([p], sp, use_tqdm=False)[0].token_ids, i  # alone, in another engine
-    assert eng.kv_cache_manager.stats().used_blocks == 0
+    assert core(eng).kv_cache_manager.stats().used_blocks == 0
 
 
 def test_preempted_request_goes_to_the_front_of_waiting():
@@ -182,12 +184,12 @@ def test_preempted_request_goes_to_the_front_of_waiting():
     eng.add_request("d", [1, 2, 3, 4], p)
     eng.step()  # a, b, c, d prefilled: 4 blocks used, 2 free
     eng.step()  # each needs a 2nd block: a and b take the free ones, c preempts the youngest (d)
-    assert eng.scheduler.num_preemptions == 1
-    assert [s.request_id for s in eng.scheduler.waiting] == ["d"]
-    assert [s.request_id for s in eng.scheduler.running] == ["a", "b", "c"]
-    while eng.scheduler.num_preemptions == 1:
+    assert core(eng).scheduler.num_preemptions == 1
+    assert [s.request_id for s in core(eng).scheduler.waiting] == ["d"]
+    assert [s.request_id for s in core(eng).scheduler.running] == ["a", "b", "c"]
+    while core(eng).scheduler.num_preemptions == 1:
         eng.step()  # 4 tokens later a needs a 3rd block: c, now the youngest, is preempted
-    assert [s.request_id for s in eng.scheduler.waiting] == ["c", "d"]  # the front of the queue, oldest first
+    assert [s.request_id for s in core(eng).scheduler.waiting] == ["c", "d"]  # the front of the queue, oldest first
     while eng.has_unfinished_requests():
         eng.step()
-    assert eng.kv_cache_manager.stats().used_blocks == 0
+    assert core(eng).kv_cache_manager.stats().used_blocks == 0

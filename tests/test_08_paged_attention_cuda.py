@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_random_checkpoint
+from conftest import core, make_random_checkpoint
 
 pytest.importorskip("triton")
 
@@ -237,7 +237,7 @@ def test_end_to_end_greedy_decode_through_the_triton_backend(tmp_path):
         eng = LLMEngine(
             model_dir, device=DEVICE, dtype="float32", block_size=8, num_blocks=8, attention_backend=backend
         )
-        assert eng.model_runner.backend.name == backend
+        assert core(eng).model_runner.backend.name == backend
         outs[backend] = [o.token_ids for o in eng.stream([[5, 6, 7], list(range(10, 21))], params) if o.finished]
     assert outs["triton"] == outs["torch"] and len(outs["torch"][0]) == 6
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import PROMPTS, greedy_ids, hf_greedy, run_python
+from conftest import PROMPTS, core, greedy_ids, hf_greedy, run_python
 
 from roseinfer import LLM, LLMEngine, SamplingParams
 from roseinfer.attention import write_kv
@@ -45,7 +45,7 @@ def test_greedy_equals_hf_for_every_token_budget(budget, prompts_ids, hf_outputs
     for i in range(len(prompts_ids)):
         assert done[str(i)] == hf_outputs[i], i
     assert max(sum(t["num_scheduled_tokens"].values()) for t in eng.trace) <= budget
-    assert eng.kv_cache_manager.stats().used_blocks == 0
+    assert core(eng).kv_cache_manager.stats().used_blocks == 0
     alone = LLMEngine(device="cpu", dtype="float32", block_size=16, max_num_batched_tokens=budget)
     alone.add_request("long", prompts_ids[-1], GREEDY)  # the long prompt alone, in chunks of `budget`
     assert run_all(alone)["long"] == hf_outputs[-1]
@@ -62,7 +62,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding(llm, to
     long_ids = tokenizer.encode(LONG)[:100]
     eng.add_request("long", long_ids, p)
     outputs = []
-    while "long" in eng.scheduler.requests and not eng.scheduler.requests["long"].output_token_ids:
+    while "long" in core(eng).scheduler.requests and not core(eng).scheduler.requests["long"].output_token_ids:
         outputs.append({o.request_id for o in eng.step()})
     chunks = [t["num_scheduled_tokens"] for t in eng.trace[3:]]
     assert all(c["a"] == 1 and c["b"] == 1 for c in chunks)  # running requests never stall
@@ -75,7 +75,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding(llm, to
 
 def test_one_forward_per_step_and_logits_only_where_a_token_is_sampled(monkeypatch):
     eng = LLMEngine(device="cpu", dtype="float32", max_num_batched_tokens=20)
-    model = eng.model_runner.model
+    model = core(eng).model_runner.model
     calls, rows = [], []
     forward, logits = model.forward_paged, model.compute_logits
     monkeypatch.setattr(model, "forward_paged", lambda *a: calls.append(a[0].shape[0]) or forward(*a))
@@ -123,13 +123,13 @@ def test_budget_smaller_than_a_block_or_than_max_num_seqs_still_finishes(llm):
     assert all(len(t["ran"]) <= 2 and sum(t["num_scheduled_tokens"].values()) <= 2 for t in eng.trace)
     for i, prompt in enumerate(prompts):
         assert done[str(i)] == greedy_ids(llm, prompt, 6, ignore_eos=True)
-    assert eng.kv_cache_manager.stats().used_blocks == 0
+    assert core(eng).kv_cache_manager.stats().used_blocks == 0
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "64", None])
 def test_bad_token_budget_is_a_clear_error(bad):
     if bad is None:  # None means "the default", not an error
-        assert LLMEngine(device="cpu", max_num_batched_tokens=None).scheduler.max_num_batched_tokens == 2048
+        assert core(LLMEngine(device="cpu", max_num_batched_tokens=None)).scheduler.max_num_batched_tokens == 2048
         return
     with pytest.raises((TypeError, ValueError), match="max_num_batched_tokens"):  # a wrong type is a TypeError
         LLMEngine(device="cpu", max_num_batched_tokens=bad)
@@ -151,9 +151,9 @@ def test_without_chunked_prefill_the_budget_must_hold_a_whole_context(tokenizer)
 
 
 def finish_by_hand(eng: LLMEngine, so) -> None:
-    """The rest of `LLMEngine.step` for a SchedulerOutput the test got from `eng.scheduler.schedule()`."""
+    """The rest of `LLMEngine.step` for a SchedulerOutput the test got from `core(eng).scheduler.schedule()`."""
     outputs, stopped = eng.output_processor.process_outputs(
-        eng.scheduler.update_from_output(so, eng.model_runner.execute_model(so))
+        core(eng).scheduler.update_from_output(so, core(eng).model_runner.execute_model(so))
     )
     assert outputs and not stopped
 
@@ -163,13 +163,13 @@ def test_scheduler_output_names_new_resumed_and_preempted_requests(llm):
     p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for rid in ("a", "b", "c", "d"):
         eng.add_request(rid, list(range(1, 5)), p)  # one full block each
-    first = eng.scheduler.schedule()
+    first = core(eng).scheduler.schedule()
     assert [r.req_id for r in first.scheduled_new_reqs] == ["a", "b", "c", "d"]
     assert first.total_num_scheduled_tokens == 16 and first.scheduled_cached_reqs.req_ids == []
     tables = {r.req_id: r.block_ids for r in first.scheduled_new_reqs}  # new requests: their whole table
     assert all(len(t) == 1 for t in tables.values())
     finish_by_hand(eng, first)
-    second = eng.scheduler.schedule()  # each needs a 2nd block, 2 are free: a, b take them, c preempts d
+    second = core(eng).scheduler.schedule()  # each needs a 2nd block, 2 are free: a, b take them, c preempts d
     assert second.preempted_req_ids == ["d"] and second.scheduled_new_reqs == []
     assert list(second.num_scheduled_tokens) == ["a", "b", "c"] and second.total_num_scheduled_tokens == 3
     c = second.scheduled_cached_reqs  # requests the runner knows: only what changed, their tables' new tails
@@ -185,7 +185,7 @@ def test_scheduler_output_names_new_resumed_and_preempted_requests(llm):
     assert any(t["scheduled_resumed_reqs"] == ["d"] for t in eng.trace)  # d comes back, as resumed, not new
     assert all("d" not in t["scheduled_new_reqs"] for t in eng.trace)
     assert done["d"] == greedy_ids(llm, list(range(1, 5)), 12, ignore_eos=True)
-    assert eng.kv_cache_manager.stats().used_blocks == 0
+    assert core(eng).kv_cache_manager.stats().used_blocks == 0
 
 
 # ---- the attention paths against the oracle ---------------------------------------------------------

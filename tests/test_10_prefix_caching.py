@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import greedy_ids, hf_greedy, make_random_checkpoint, run_python
+from conftest import core, greedy_ids, hf_greedy, make_random_checkpoint, run_python
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -201,7 +201,7 @@ def test_a_second_request_with_the_same_prefix_computes_only_its_own_tokens():
     stats = eng.get_stats()
     assert stats["prefix_cache_hits"] == second.num_cached_tokens
     assert stats["prefix_cache_queries"] == len(first.prompt_token_ids) + len(second.prompt_token_ids)
-    assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_total"] == eng.kv_cache_manager.num_blocks
+    assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_total"] == core(eng).kv_cache_manager.num_blocks
     assert stats["num_preemptions"] == 0 and stats["kv_blocks_cached"] > 0
     nocache = LLMEngine(device="cpu", dtype="float32", block_size=8, enable_prefix_caching=False)
     nocache.add_request("b", SYSTEM + "Where is Ophelia?", greedy)
@@ -228,7 +228,7 @@ def test_preempting_and_aborting_sharing_requests_only_drops_their_references(ll
     for i in range(4):
         eng.add_request(str(i), prefix + [20 + i], p)
     eng.step()
-    bm = eng.kv_cache_manager
+    bm = core(eng).kv_cache_manager
     shared = bm.block_tables["0"][:2]
     assert all(bm.block_tables[str(i)][:2] == shared for i in range(4))
     assert [bm.pool.ref_count[b] for b in shared] == [4, 4]
@@ -237,7 +237,7 @@ def test_preempting_and_aborting_sharing_requests_only_drops_their_references(ll
     done = {}
     while eng.has_unfinished_requests():
         done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
-    assert eng.scheduler.num_preemptions > 0  # 3 requests growing 20 tokens in 12 blocks
+    assert core(eng).scheduler.num_preemptions > 0  # 3 requests growing 20 tokens in 12 blocks
     assert bm.stats().used_blocks == 0
     for rid in ("0", "2", "3"):  # each as it runs alone
         assert done[rid] == greedy_ids(llm, prefix + [20 + int(rid)], 20, ignore_eos=True), rid
@@ -280,7 +280,7 @@ def _drive(model_dir, reqs, caching, num_blocks, budget):
         if eng.has_unfinished_requests():
             done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
         step += 1
-    assert eng.kv_cache_manager.stats().used_blocks == 0, "KV blocks leaked"
+    assert core(eng).kv_cache_manager.stats().used_blocks == 0, "KV blocks leaked"
     return {rid: ids for rid, ids in done.items() if rid not in abort_at}, eng
 
 
@@ -290,7 +290,7 @@ def test_outputs_are_the_same_with_and_without_prefix_caching(tiny_model, reqs, 
     cached, eng = _drive(tiny_model, reqs, True, num_blocks, budget)
     plain, _ = _drive(tiny_model, reqs, False, num_blocks, budget)
     assert cached == plain
-    pool = eng.kv_cache_manager.pool
+    pool = core(eng).kv_cache_manager.pool
     assert all(pool.block_hash[b] == h for h, b in pool.cached.items())
 
 

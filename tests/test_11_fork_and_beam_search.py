@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_random_checkpoint, run_python
+from conftest import core, make_random_checkpoint, run_python
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -37,7 +37,7 @@ def test_greedy_n_gives_n_copies_of_the_greedy_text(llm, hf_model):
     assert all(c.token_ids == greedy for c in out.outputs) and out.token_ids == greedy
     logprobs = [c.cumulative_logprob for c in out.outputs]
     assert logprobs[0] < 0 and max(logprobs) - min(logprobs) < 1e-4  # the same tokens, computed in other rows
-    assert llm.llm_engine.kv_cache_manager.stats().used_blocks == 0
+    assert core(llm.llm_engine).kv_cache_manager.stats().used_blocks == 0
 
 
 def test_each_of_n_samples_draws_from_its_own_seeded_stream(llm):
@@ -68,7 +68,7 @@ def test_the_prompt_runs_once_and_its_blocks_are_shared_then_copied_on_write():
     assert all(after[s][:2] == tables["r"][:2] for s in ("r", "r#1", "r#2"))  # the full blocks stay shared
     while eng.has_unfinished_requests():
         eng.step()
-    assert eng.kv_cache_manager.stats().used_blocks == 0
+    assert core(eng).kv_cache_manager.stats().used_blocks == 0
 
 
 def test_n8_uses_fewer_blocks_than_8_separate_requests():
@@ -82,7 +82,7 @@ def test_n8_uses_fewer_blocks_than_8_separate_requests():
         most = 0
         while eng.has_unfinished_requests():
             eng.step()
-            most = max(most, eng.kv_cache_manager.stats().used_blocks)
+            most = max(most, core(eng).kv_cache_manager.stats().used_blocks)
         peak[name] = most
     assert peak["n8"] == 6 + 8 and peak["8 requests"] == 8 * 7  # 6 full prompt blocks shared, a last block each
 
@@ -203,7 +203,7 @@ def test_beam_search_equals_hugging_face_on_the_bundled_model(llm, hf_model, W, 
         ids = llm.tokenizer.encode(prompt)
         ours = llm.beam_search([ids], BeamSearchParams(W, 12, ignore_eos=ignore_eos, length_penalty=lp))[0]
         assert_same_beams(ours, hf_beams(hf_model, ids, W, 12, lp, eos))
-    assert llm.llm_engine.kv_cache_manager.stats().used_blocks == 0
+    assert core(llm.llm_engine).kv_cache_manager.stats().used_blocks == 0
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +237,7 @@ def test_beam_search_equals_hugging_face_with_eos_in_play(eos_model, W, lp):
         ended += [s.token_ids[-1] == hf.config.eos_token_id for s in ours.sequences]
     if W > 1 and lp < 1:  # a short penalty keeps short hypotheses: EOS really ended some of those returned
         assert any(ended)
-    assert llm.llm_engine.kv_cache_manager.stats().used_blocks == 0
+    assert core(llm.llm_engine).kv_cache_manager.stats().used_blocks == 0
 
 
 def test_beams_fork_and_share_blocks_during_the_search():
@@ -250,7 +250,7 @@ def test_beams_fork_and_share_blocks_during_the_search():
         refs = eng.trace[-1]["ref_counts"]
         shared = max(shared, max(refs.values(), default=0))
     assert shared >= 4  # the prompt's blocks are held by all 4 beams
-    assert eng.kv_cache_manager.stats().used_blocks == 0
+    assert core(eng).kv_cache_manager.stats().used_blocks == 0
 
 
 def test_preempted_groups_come_back_and_finish_the_same():
@@ -261,11 +261,11 @@ def test_preempted_groups_come_back_and_finish_the_same():
     prompts = ["Romeo.\n", "Enter the Ghost.\n", "KING.", "Nurse.\n"]
     a = [[c.token_ids for c in o.outputs] for o in roomy.generate(prompts, params * 4, use_tqdm=False)]
     b = [[c.token_ids for c in o.outputs] for o in tight.generate(prompts, params * 4, use_tqdm=False)]
-    assert a == b and tight.llm_engine.scheduler.num_preemptions > 0
+    assert a == b and core(tight.llm_engine).scheduler.num_preemptions > 0
     x = [[s.token_ids for s in o.sequences] for o in roomy.beam_search(prompts, beam)]
     y = [[s.token_ids for s in o.sequences] for o in tight.beam_search(prompts, beam)]
     assert x == y
-    assert tight.llm_engine.kv_cache_manager.stats().used_blocks == 0
+    assert core(tight.llm_engine).kv_cache_manager.stats().used_blocks == 0
 
 
 def test_bad_beam_search_params():

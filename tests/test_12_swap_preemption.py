@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import test_11_fork_and_beam_search as t11
 import torch
-from conftest import hf_greedy, run_python
+from conftest import core, hf_greedy, run_python
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
@@ -32,9 +32,9 @@ def tight(mode, num_blocks=12, swap_blocks=64, max_num_seqs=6, **kw) -> LLM:
 
 
 def assert_no_leak(llm: LLM):
-    kv = llm.llm_engine.kv_cache_manager
+    kv = core(llm.llm_engine).kv_cache_manager
     assert kv.stats().used_blocks == 0 and len(kv.cpu_pool.free) == kv.num_cpu_blocks
-    assert not kv.block_tables and not kv.cpu_tables and not llm.llm_engine.scheduler.has_unfinished_requests()
+    assert not kv.block_tables and not kv.cpu_tables and not core(llm.llm_engine).scheduler.has_unfinished_requests()
 
 
 # ---- the host pool in the block manager: a state machine --------------------------------------------------
@@ -183,7 +183,7 @@ def test_a_group_short_of_blocks_while_being_booked_is_preempted_whole(mode, num
     while eng.has_unfinished_requests():
         for o in eng.step():
             outs[o.request_id] = o
-    assert outs["a"].finished and outs["b"].finished and eng.kv_cache_manager.stats().used_blocks == 0
+    assert outs["a"].finished and outs["b"].finished and core(eng).kv_cache_manager.stats().used_blocks == 0
 
 
 def test_swapped_requests_come_back_before_new_ones_and_a_swap_step_admits_nobody():
@@ -200,7 +200,7 @@ def test_swapped_requests_come_back_before_new_ones_and_a_swap_step_admits_nobod
         if t["swapped"]:
             assert t["scheduled_new_reqs"] == []  # nobody overtakes a swapped request
     assert any(t["blocks_to_swap_out"] for t in eng.trace) and any(t["blocks_to_swap_in"] for t in eng.trace)
-    assert eng.kv_cache_manager.stats().used_blocks == 0
+    assert core(eng).kv_cache_manager.stats().used_blocks == 0
 
 
 def test_when_the_host_pool_is_full_a_swap_falls_back_to_recompute(solo_outputs):
@@ -217,30 +217,30 @@ def test_a_request_aborted_while_swapped_frees_its_host_blocks():
                     preemption_mode="swap", swap_space=swap_gib(32), watermark=0.0)  # fmt: skip
     for i, p in enumerate(PROMPTS[:4]):
         eng.add_request(str(i), p, GREEDY)
-    while not eng.scheduler.swapped:
+    while not core(eng).scheduler.swapped:
         eng.step()
-    victim = eng.scheduler.swapped[0].request_id
+    victim = core(eng).scheduler.swapped[0].request_id
     assert eng.get_stats()["swap_blocks_used"] > 0
     eng.abort_request(victim)
-    assert eng.get_stats()["swap_blocks_used"] == 0 and victim not in eng.kv_cache_manager.cpu_tables
+    assert eng.get_stats()["swap_blocks_used"] == 0 and victim not in core(eng).kv_cache_manager.cpu_tables
     while eng.has_unfinished_requests():
         eng.step()
-    assert eng.kv_cache_manager.stats().used_blocks == 0
+    assert core(eng).kv_cache_manager.stats().used_blocks == 0
 
 
 def test_the_watermark_holds_admission_back_only_while_others_run():
     eng = LLMEngine(device="cpu", dtype="float32", block_size=BS, num_blocks=20, watermark=0.25)
-    assert eng.kv_cache_manager.watermark_blocks == 5
+    assert core(eng).kv_cache_manager.watermark_blocks == 5
     eng.add_request("a", list(range(1, 41)), SamplingParams(temperature=0, max_tokens=2))  # 10 blocks
     eng.add_request("b", list(range(100, 124)), SamplingParams(temperature=0, max_tokens=2))  # 6 more: 4 < 5 left
     eng.step()
-    assert [s.request_id for s in eng.scheduler.running] == ["a"]  # b waits: it would eat into the watermark
+    assert [s.request_id for s in core(eng).scheduler.running] == ["a"]  # b waits: it would eat into the watermark
     while eng.has_unfinished_requests():
         eng.step()
     big = LLMEngine(device="cpu", dtype="float32", block_size=BS, num_blocks=20, watermark=0.25)
     big.add_request("c", list(range(1, 77)), SamplingParams(temperature=0, max_tokens=2))  # 19 of 20 blocks
     big.step()  # nothing else runs: the watermark does not apply
-    assert [s.request_id for s in big.scheduler.running] == ["c"]
+    assert [s.request_id for s in core(big).scheduler.running] == ["c"]
 
 
 def test_an_impossible_request_is_still_refused_at_submission():
@@ -252,8 +252,10 @@ def test_an_impossible_request_is_still_refused_at_submission():
 
 def test_stats_and_defaults():
     eng = LLMEngine(device="cpu", dtype="float32", block_size=BS, num_blocks=100)
-    assert eng.scheduler.config.preemption_mode is None and eng.kv_cache_manager.watermark_blocks == 1  # vLLM: 0.01
-    assert eng.kv_cache_manager.num_cpu_blocks == 4 * 2**30 // (8192 * BS)  # swap_space=4 GiB
+    assert (
+        core(eng).scheduler.config.preemption_mode is None and core(eng).kv_cache_manager.watermark_blocks == 1
+    )  # vLLM: 0.01
+    assert core(eng).kv_cache_manager.num_cpu_blocks == 4 * 2**30 // (8192 * BS)  # swap_space=4 GiB
     stats = eng.get_stats()
     assert {"num_swapped_out", "num_swapped_in", "swap_blocks_used", "swap_blocks_total"} <= set(stats)
     with pytest.raises(ValueError, match="preemption_mode"):

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from conftest import PROMPTS, REPO, greedy_ids, run_python
+from conftest import PROMPTS, REPO, core, greedy_ids, run_python
 
 from roseinfer import LLMEngine, RequestOutputKind, SamplingParams
 from roseinfer.entrypoints.async_engine import AsyncLLMEngine
@@ -57,8 +57,8 @@ def running_server(max_waiting: int = 1024, **engine_kwargs):
 
 def is_empty(engine: LLMEngine) -> bool:
     """No unfinished request (nor any of its sequences) in the engine, and no KV block held."""
-    kv = engine.kv_cache_manager
-    return not engine.output_processor.requests and not engine.scheduler.requests and not kv.block_tables
+    kv = core(engine).kv_cache_manager
+    return not engine.output_processor.requests and not core(engine).scheduler.requests and not kv.block_tables
 
 
 def assert_engine_empty(engine: AsyncLLMEngine, timeout: float = 10.0) -> None:
@@ -69,7 +69,7 @@ def assert_engine_empty(engine: AsyncLLMEngine, timeout: float = 10.0) -> None:
             break
         time.sleep(0.05)
     assert is_empty(engine.engine) and engine.num_unfinished == 0
-    assert engine.engine.kv_cache_manager.stats().used_blocks == 0
+    assert core(engine.engine).kv_cache_manager.stats().used_blocks == 0
 
 
 @pytest.fixture(scope="module")
@@ -285,13 +285,13 @@ def test_async_engine_closing_a_stream_aborts_the_request():
         engine = AsyncLLMEngine(LLMEngine(device="cpu", dtype="float32"))
         gen = engine.generate("Romeo.\n", SamplingParams(max_tokens=300, ignore_eos=True), request_id="r")
         out = await gen.__anext__()
-        assert not out.finished and engine.engine.kv_cache_manager.stats().used_blocks > 0
+        assert not out.finished and core(engine.engine).kv_cache_manager.stats().used_blocks > 0
         await gen.aclose()
         for _ in range(100):  # aborted before the next step
             if is_empty(engine.engine):
                 break
             await asyncio.sleep(0.01)
-        assert is_empty(engine.engine) and engine.engine.kv_cache_manager.stats().used_blocks == 0
+        assert is_empty(engine.engine) and core(engine.engine).kv_cache_manager.stats().used_blocks == 0
         with pytest.raises(ValueError, match="max_num_seqs"):  # the engine's own check reaches the caller
             await engine.generate("a", SamplingParams(n=100)).__anext__()
         await engine.shutdown()

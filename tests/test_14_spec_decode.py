@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import DEFAULT_MODEL, PROMPTS, hf_greedy, make_random_checkpoint
+from conftest import DEFAULT_MODEL, PROMPTS, core, hf_greedy, make_random_checkpoint
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -47,11 +47,11 @@ def token_ids(llm: LLM, prompts, params) -> list[list[int]]:
 def assert_no_leak(llm: LLM) -> None:
     """No KV block held; after one more (empty) step the runner and the draft model forget every request."""
     eng = llm.llm_engine
-    kv = eng.kv_cache_manager
+    kv = core(eng).kv_cache_manager
     assert kv.num_used_blocks == 0 and not kv.block_tables and not eng.has_unfinished_requests()
     assert eng.step() == []  # the runner learns which requests finished with the next step
-    assert not eng.model_runner.input_batch.requests
-    proposer = eng.model_runner.proposer
+    assert not core(eng).model_runner.input_batch.requests
+    proposer = core(eng).model_runner.proposer
     if isinstance(proposer, DraftModelProposer):  # its K/V bookkeeping per request
         assert not proposer.computed and not proposer.fed
 
@@ -298,7 +298,7 @@ def test_the_draft_model_keeps_its_kv_in_its_own_pool_at_the_targets_slots():
 
     k, bs = 4, 8
     eng = LLMEngine(device="cpu", dtype="float32", num_blocks=64, block_size=bs, speculative_config=draft(k))
-    runner, proposer = eng.model_runner, eng.model_runner.proposer
+    runner, proposer = core(eng).model_runner, core(eng).model_runner.proposer
     hf = GPT2LMHeadModel.from_pretrained(DRAFT, dtype=torch.float32).eval()
     C, H = hf.config.n_embd, hf.config.n_head
     assert isinstance(proposer, DraftModelProposer) and eng.config.scheduler_config.num_lookahead_tokens == k
@@ -307,11 +307,11 @@ def test_the_draft_model_keeps_its_kv_in_its_own_pool_at_the_targets_slots():
     eng.add_request("r", REPEAT, GREEDY)
     for _ in range(3):
         eng.step()
-    req = eng.scheduler.requests["r"]
+    req = core(eng).scheduler.requests["r"]
     fed = req.spec_token_ids[: k - 1]  # the next step's drafts: d1 .. d(k-1) went through the draft
     assert proposer.computed["r"] == req.num_tokens and proposer.fed["r"] == fed and len(req.spec_token_ids) == k
     tokens = req.all_token_ids + fed
-    table = eng.kv_cache_manager.block_tables["r"]
+    table = core(eng).kv_cache_manager.block_tables["r"]
     assert len(table) * bs >= len(tokens)  # the guesses' slots were booked in the request's own blocks
     slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(len(tokens))])
     with torch.no_grad():

@@ -17,7 +17,7 @@ import openai
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import PROMPTS, REPO, hf_greedy, make_random_checkpoint
+from conftest import PROMPTS, REPO, core, hf_greedy, make_random_checkpoint
 from test_13_server import running_server
 
 from roseinfer import LLM, BeamSearchParams, SamplingParams
@@ -56,14 +56,14 @@ def tp1():
     """TP = 1 on the same tight pool: the greedy token ids and the KV pool's bytes."""
     llm = LLM(**TIGHT)
     outs = llm.generate(WORKLOAD, GREEDY, use_tqdm=False)
-    return [o.token_ids for o in outs], llm.llm_engine.model_runner.kv_cache.nbytes
+    return [o.token_ids for o in outs], core(llm.llm_engine).model_runner.kv_cache.nbytes
 
 
 def test_tp2_equals_tp1_and_hf_through_llm_and_llm_engine_with_half_the_kv_per_rank(tp1, hf_model):
     ref_ids, tp1_kv_bytes = tp1
     threads = torch.get_num_threads()
     with LLM(tensor_parallel_size=2, **TIGHT) as llm:
-        runner = llm.llm_engine.model_runner  # rank 0's TensorParallelRunner
+        runner = core(llm.llm_engine).model_runner  # rank 0's TensorParallelRunner
         pids = runner.pids
         assert isinstance(runner, TensorParallelRunner) and len(pids) == 1 and alive(pids) == pids
         # each rank holds 2 of the 4 heads: half of TP = 1's pool, on rank 0 and on the worker
@@ -89,7 +89,7 @@ def test_tp2_equals_tp1_and_hf_through_llm_and_llm_engine_with_half_the_kv_per_r
         while engine.has_unfinished_requests():
             done |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
         assert [done[f"r{i}"] for i in range(len(WORKLOAD))] == ref_ids
-        assert llm.llm_engine.kv_cache_manager.stats().used_blocks == 0
+        assert core(llm.llm_engine).kv_cache_manager.stats().used_blocks == 0
     assert wait_gone(pids, timeout=10) == [] and not dist.is_initialized()
     assert torch.get_num_threads() == threads  # rank 0's threads are given back
 
@@ -111,7 +111,7 @@ def test_tp2_with_async_scheduling_gives_the_tp1_tokens(tp1):
     ref_ids, _ = tp1
     with LLM(tensor_parallel_size=2, async_scheduling=True, **TIGHT) as llm:
         assert [o.token_ids for o in llm.generate(WORKLOAD, GREEDY, use_tqdm=False)] == ref_ids
-        assert llm.llm_engine.kv_cache_manager.num_used_blocks == 0
+        assert core(llm.llm_engine).kv_cache_manager.num_used_blocks == 0
 
 
 def test_tp2_server_streams_the_tp1_text(tp1):
@@ -128,7 +128,7 @@ def test_tp2_server_streams_the_tp1_text(tp1):
         stream = client.completions.create(model="roseinfer", prompt=WORKLOAD[4], max_tokens=16, temperature=0,
                                            stream=True)  # fmt: skip
         assert "".join(c.choices[0].text for c in stream) == tok.decode(ref_ids[4]).replace("<|endoftext|>", "")
-        pids = engine.engine.model_runner.pids
+        pids = core(engine.engine).model_runner.pids
     engine.engine.close()  # what `roseinfer serve` does when uvicorn returns
     assert wait_gone(pids, timeout=10) == [] and not dist.is_initialized()
 
@@ -146,7 +146,7 @@ def test_swap_and_copy_on_write_move_blocks_on_every_rank_and_gc_stops_the_worke
 
     expected = run(LLM(**kw))
     llm = LLM(tensor_parallel_size=2, **kw)
-    pids = llm.llm_engine.model_runner.pids
+    pids = core(llm.llm_engine).model_runner.pids
     assert run(llm) == expected
     assert llm.llm_engine.get_stats()["num_swapped_out"] > 0
     del llm
@@ -156,7 +156,7 @@ def test_swap_and_copy_on_write_move_blocks_on_every_rank_and_gc_stops_the_worke
 
 def test_a_worker_killed_mid_run_is_a_clear_error_and_every_process_stops():
     llm = LLM(device="cpu", dtype="float32", tensor_parallel_size=2)
-    engine, pid = llm.llm_engine, llm.llm_engine.model_runner.pids[0]
+    engine, pid = llm.llm_engine, core(llm.llm_engine).model_runner.pids[0]
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=400, ignore_eos=True))
     engine.step()
@@ -166,8 +166,8 @@ def test_a_worker_killed_mid_run_is_a_clear_error_and_every_process_stops():
         while engine.has_unfinished_requests():
             engine.step()
     assert time.time() - t0 < 30
-    assert not engine.output_processor.requests and not engine.scheduler.requests  # every request aborted
-    assert engine.kv_cache_manager.stats().used_blocks == 0
+    assert not engine.output_processor.requests and not core(engine).scheduler.requests  # every request aborted
+    assert core(engine).kv_cache_manager.stats().used_blocks == 0
     with pytest.raises(RuntimeError, match="cannot run any more steps"):
         llm.generate("Romeo.\n", use_tqdm=False)
     assert alive([pid]) == [] and not dist.is_initialized()
@@ -178,7 +178,7 @@ RANK0 = """
 import sys
 from roseinfer import LLM, BeamSearchParams, SamplingParams
 llm = LLM(device="cpu", dtype="float32", tensor_parallel_size=2)
-print(*llm.llm_engine.model_runner.pids, flush=True)
+print(*core(llm.llm_engine).model_runner.pids, flush=True)
 while True:
     llm.generate(["Romeo.\\n"] * 4, SamplingParams(max_tokens=64, ignore_eos=True), use_tqdm=False)
 """

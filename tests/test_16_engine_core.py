@@ -14,7 +14,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, greedy_ids
+from conftest import REPO, core, greedy_ids
 
 from roseinfer import LLMEngine, RequestOutputKind, SamplingParams
 from roseinfer.config import EngineArgs, SchedulerConfig
@@ -310,7 +310,7 @@ def test_every_step_message_is_data_only_and_survives_pickling(llm):
     for i, p in enumerate(prompts):
         assert done[str(i)] == [greedy_ids(llm, p, 24)]
     assert done["n2"] == [greedy_ids(llm, "Romeo.\n", 6)] * 2
-    assert eng.kv_cache_manager.num_used_blocks == 0
+    assert core(eng).kv_cache_manager.num_used_blocks == 0
 
 
 # ---- the persistent batch ---------------------------------------------------------------------------
@@ -319,7 +319,7 @@ def test_the_step_inputs_are_what_a_loop_over_requests_would_build(llm):
     first), then chunks; positions, input ids and slots from each request's row and block table."""
     from roseinfer.worker.step_inputs import prepare_step
 
-    runner = llm.llm_engine.model_runner
+    runner = core(llm.llm_engine).model_runner
     ib = runner.input_batch
     reqs = {"d1": (list(range(1, 20)), 18, 1), "c1": (list(range(30, 60)), 10, 12), "d2": (list(range(5, 40)), 34, 1)}
     for rid, (tokens, computed, _) in reqs.items():
@@ -453,7 +453,7 @@ def test_a_step_never_copies_a_whole_request(monkeypatch, llm):
     eng = llm.llm_engine
     eng.add_request("long", list(range(1, 400)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     eng.step()  # the prefill
-    req = eng.scheduler.requests["long"]
+    req = core(eng).scheduler.requests["long"]
 
     class Watched(list):
         longest = 0
@@ -514,11 +514,11 @@ def test_async_scheduling_gives_the_same_tokens(llm):
             want = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
             got = [[c.token_ids for c in o.outputs] for o in fast.generate(prompts, params, use_tqdm=False)]
             assert got == want, (kwargs, params)
-            assert fast.llm_engine.kv_cache_manager.num_used_blocks == 0
+            assert core(fast.llm_engine).kv_cache_manager.num_used_blocks == 0
         beams = BeamSearchParams(beam_width=3, max_tokens=6)
         want = [[s.token_ids for s in b.sequences] for b in llm.beam_search(prompts[:2], beams)]
         assert [[s.token_ids for s in b.sequences] for b in fast.beam_search(prompts[:2], beams)] == want
-    assert fast.llm_engine.scheduler.num_preemptions > 0
+    assert core(fast.llm_engine).scheduler.num_preemptions > 0
 
 
 def test_async_scheduling_never_mixes_up_a_reused_request_id(llm):
@@ -549,8 +549,8 @@ def test_cuda_graph_decode_steps_give_the_eager_tokens():
     params = SamplingParams(temperature=0, max_tokens=24)
     eager = LLM(device="cuda", dtype="float32", attention_backend="triton", enforce_eager=True)
     graphs = LLM(device="cuda", dtype="float32", attention_backend="triton", max_num_seqs=8)
-    assert eager.llm_engine.model_runner.cuda_graphs is None
-    runner = graphs.llm_engine.model_runner
+    assert core(eager.llm_engine).model_runner.cuda_graphs is None
+    runner = core(graphs.llm_engine).model_runner
     assert runner.cuda_graphs is not None and runner.cuda_graphs.batch_sizes == [1, 2, 4, 8]
     want = [o.token_ids for o in eager.generate(PROMPTS, params, use_tqdm=False)]
     assert [o.token_ids for o in graphs.generate(PROMPTS, params, use_tqdm=False)] == want
@@ -562,7 +562,7 @@ def test_a_replayed_graph_computes_the_eager_hidden_states():
     from roseinfer import LLM
 
     llm = LLM(device="cuda", dtype="float32", attention_backend="triton", max_num_seqs=16)
-    runner = llm.llm_engine.model_runner
+    runner = core(llm.llm_engine).model_runner
     seen = {}
     run = runner.cuda_graphs.run
 

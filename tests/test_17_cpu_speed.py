@@ -12,7 +12,7 @@ import importlib.util
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, hf_greedy, make_random_checkpoint
+from conftest import REPO, core, hf_greedy, make_random_checkpoint
 
 from roseinfer import LLM, SamplingParams
 from roseinfer.attention import resolve_backend_name
@@ -68,12 +68,12 @@ def test_the_backend_is_onednn_only_where_it_runs():
 
 
 def test_the_engine_packs_every_linear_layer_and_the_head():
-    runner = LLM(device="cpu", dtype="float32").llm_engine.model_runner
+    runner = core(LLM(device="cpu", dtype="float32")).model_runner
     layers = [m for m in runner.model.modules() if isinstance(m, torch.nn.Linear)]
     assert layers and all(m.packed is not None for m in layers)
     assert runner.model.head_packed is not None
     plain = LLM(device="cpu", dtype="float32", linear_backend="aten")
-    assert all(getattr(m, "packed", None) is None for m in plain.llm_engine.model_runner.model.modules())
+    assert all(getattr(m, "packed", None) is None for m in core(plain.llm_engine).model_runner.model.modules())
 
 
 @pytest.mark.parametrize("tie", [True, False])

@@ -8,7 +8,7 @@ import asyncio
 import time
 
 import pytest
-from conftest import PROMPTS
+from conftest import PROMPTS, core
 from test_19_sampling_features import GREEDY, MIXED, V, alone, greedy, ids_of, same, summary
 
 from roseinfer import LLM, RequestOutputKind, SamplingParams
@@ -48,7 +48,9 @@ def test_a_request_that_fails_in_the_runner_fails_alone(make_engine, llm, tokeni
     assert bad.finish_reason == "error" and "'bad'" in bad.error and "logit_bias [4101] are outside" in bad.error
     assert [c.finish_reason for c in bad.outputs] == ["error"] * n
     assert {k: o.token_ids for k, o in done.items()} == {"a": want[0], "b": want[2]}
-    assert not eng.model_runner.failures and "bad" not in eng.scheduler.requests  # (make_engine checks the blocks)
+    assert (
+        not core(eng).model_runner.failures and "bad" not in core(eng).scheduler.requests
+    )  # (make_engine checks the blocks)
 
 
 def test_async_engine_raises_for_a_request_that_failed_alone(make_engine, tokenizer):
@@ -84,7 +86,7 @@ def test_a_failing_step_is_run_again_in_halves_and_only_the_culprit_fails(make_e
     prompts = ids_of(tokenizer, PROMPTS[:5])
     want = greedy(llm, prompts)
     eng = make_engine(max_num_seqs=8)
-    runner = eng.model_runner
+    runner = core(eng).model_runner
     forward = runner._forward
 
     def flaky(step):
@@ -109,7 +111,7 @@ def test_a_step_that_fails_once_loses_nobody(mixed_alone, monkeypatch):
     """The sampler raises once, in a step of many requests (after the forward, the prompt log-probabilities, the
     forks of n > 1): the step runs again in halves, and every request ends as it would have."""
     llm = LLM(device="cpu", dtype="float32")
-    runner = llm.llm_engine.model_runner
+    runner = core(llm.llm_engine).model_runner
     sample, failures = runner._sample, []
 
     def once(logits, req_ids, *args):
@@ -133,7 +135,7 @@ def test_requests_that_read_blocks_a_failed_request_never_wrote_fail_too(make_en
     prompt, other = tokenizer.encode(PROMPTS[4]), tokenizer.encode(PROMPTS[0])
     want, want_other = greedy(llm, [prompt, other])
     eng = make_engine(block_size=4, enable_prefix_caching=True, async_scheduling=how == "async")
-    runner = eng.model_runner
+    runner = core(eng).model_runner
     if how == "forward":
         forward = runner._forward
 
@@ -181,6 +183,6 @@ def test_a_request_fails_alone_under_tensor_parallelism(llm, tokenizer):
         done = run_outputs(eng)
         assert done["bad"].finish_reason == "error" and "logit_bias" in done["bad"].error
         assert [done["a"].token_ids, done["b"].token_ids] == want
-        assert eng.kv_cache_manager.stats().used_blocks == 0
+        assert core(eng).kv_cache_manager.stats().used_blocks == 0
     finally:
         eng.close()

@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import PROMPTS, make_llama_checkpoint, run_all
+from conftest import PROMPTS, core, make_llama_checkpoint, run_all
 
 from roseinfer import LLM, Logprob, RequestOutputKind, SamplingParams
 from roseinfer.engine.detokenizer import Detokenizer
@@ -226,7 +226,7 @@ def test_prompt_logprobs_through_chunks_and_past_the_prefix_cache(make_engine, h
     check_prompt_logprobs(lp.prompt_logprobs, prompt, hf_model, 3, text)
     assert all(o.prompt_logprobs is lp.prompt_logprobs for o in outs["lp"])  # CUMULATIVE: in every output
     assert hit.prompt_logprobs is None and lp.token_ids == hit.token_ids
-    one = eng.model_runner.input_batch
+    one = core(eng).model_runner.input_batch
     assert one.num_prompt_logprob_rows == 0 and not one.prompt_logprobs_ready
 
 
@@ -349,7 +349,7 @@ def test_batched_equals_unbatched_with_mixed_features_under_pressure(mixed_alone
             stats = llm.llm_engine.get_stats()
             assert stats["num_preemptions"] > 0 and (stats["num_swapped_out"] > 0) == (kw["preemption_mode"] == "swap")
         llm.llm_engine.step()  # the rows of the last finished requests go with the next step
-        ib = llm.llm_engine.model_runner.input_batch
+        ib = core(llm.llm_engine).model_runner.input_batch
         assert not ib.requests and ib.output_counts is None and ib.num_processor_rows == ib.num_penalty_rows == 0
 
 

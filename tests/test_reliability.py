@@ -7,7 +7,7 @@ from dataclasses import fields
 
 import pytest
 import torch
-from conftest import greedy_ids, make_random_checkpoint
+from conftest import core, greedy_ids, make_random_checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +26,7 @@ def _after_error_all_is_well(llm: LLM) -> None:
     """A valid request right after the error works, and no KV block is held."""
     out = llm.generate(["Romeo.\n"], GREEDY, use_tqdm=False)[0]
     assert out.finished and len(out.token_ids) >= 1
-    assert llm.llm_engine.kv_cache_manager.stats().used_blocks == 0
+    assert core(llm.llm_engine).kv_cache_manager.stats().used_blocks == 0
     assert not llm.llm_engine.has_unfinished_requests()
 
 
@@ -279,22 +279,22 @@ def test_random_traffic_keeps_every_invariant(tiny_model, tiny_solo, tiny_draft,
         for rid, when in list(abort_at.items()):
             if when == step and rid in eng.output_processor.requests:
                 eng.abort_request(rid)
-                kv = eng.kv_cache_manager
+                kv = core(eng).kv_cache_manager
                 assert not any(s == rid or s.startswith(rid + "#") for s in [*kv.block_tables, *kv.cpu_tables])
-                assert not any(s == rid or s.startswith(rid + "#") for s in eng.scheduler.requests)
+                assert not any(s == rid or s.startswith(rid + "#") for s in core(eng).scheduler.requests)
         if eng.has_unfinished_requests():
             for out in eng.step():
                 if out.finished:
                     done[out.request_id] = [c.token_ids for c in out.outputs]
-        assert len(eng.scheduler.running) <= max_num_seqs
+        assert len(core(eng).scheduler.running) <= max_num_seqs
         assert not eng.trace or sum(eng.trace[-1]["num_scheduled_tokens"].values()) <= budget
         step += 1
         assert step < 2000, "the engine stopped making progress"
-    kv = eng.kv_cache_manager  # the draft model has no pool of its own: it writes into the target's blocks
+    kv = core(eng).kv_cache_manager  # the draft model has no pool of its own: it writes into the target's blocks
     assert kv.stats().used_blocks == 0 and len(kv.cpu_pool.free) == kv.num_cpu_blocks, "KV blocks leaked"
-    assert not eng.scheduler.requests and not kv.block_tables and not kv.cpu_tables
+    assert not core(eng).scheduler.requests and not kv.block_tables and not kv.cpu_tables
     eng.step()  # the runner drops the rows of requests that finished in the last step at the next one
-    runner = eng.model_runner
+    runner = core(eng).model_runner
     assert not runner.input_batch.requests and not runner.input_batch.req_id_to_row, "runner rows leaked"
     if spec in ("draft", "self"):
         assert not runner.proposer.computed and not runner.proposer.fed, "draft state leaked"
@@ -320,4 +320,4 @@ def test_batch_invariance_alone_and_among_64_others(llm):
     prompts = others[:32] + [target] + others[32:]
     outs = crowd.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
     assert outs[32].token_ids == alone
-    assert crowd.llm_engine.kv_cache_manager.stats().used_blocks == 0
+    assert core(crowd.llm_engine).kv_cache_manager.stats().used_blocks == 0

@@ -47,6 +47,17 @@ class EngineCore:
         if request.is_beam:
             self.beam_search.add(request)
 
+    def check_fits(self, request: Request) -> None:
+        """Raise ValueError if the request could never fit the KV pool (nothing is queued)."""
+        self.scheduler.check_fits(request)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.scheduler.requests
+
+    def finish_requests(self, sequence_ids, reason: str) -> None:
+        """End these sequences now (the output processor found a stop string in them) and free their blocks."""
+        self.scheduler.finish_requests(sequence_ids, reason)
+
     def abort_request(self, request_id: str, reason: str = "abort") -> None:
         """End every sequence of the caller's request now and give its blocks back."""
         group = self.scheduler.groups.get(request_id)
@@ -103,6 +114,73 @@ class EngineCore:
             outputs = self._update(prev, self.model_runner.finish_step(handle))
         self._in_flight = (so, self.model_runner.launch_step(so))
         return so, outputs
+
+    # ---- what the core tells about itself (data only) ------------------------------------
+    def get_stats(self) -> dict:
+        """Counters since the engine started (vLLM's names): prefix-cache lookups and hits in tokens,
+        preemptions, KV blocks in use (held by a request) out of the pool, swaps and host blocks, the requests
+        running (a request of n sequences counts once), waiting and swapped out, and with speculative decoding
+        the drafts proposed and accepted (see `spec_decode_stats`)."""
+        sched, kv = self.scheduler, self.kv_cache_manager
+        running = {s.group.group_id if s.group else s.request_id for s in sched.running}
+        return {
+            **(self.spec_decode_stats() if self.config.speculative_config is not None else {}),
+            "prefix_cache_queries": sched.prefix_cache_queries,
+            "prefix_cache_hits": sched.prefix_cache_hits,
+            "num_preemptions": sched.num_preemptions,
+            "kv_blocks_used": kv.num_used_blocks,  # read after every step by the server: O(1)
+            "kv_blocks_total": kv.num_blocks,
+            "kv_cache_bytes": self.model_runner.kv_cache.nbytes,  # the pool's K/V tensors (this rank's share)
+            "kv_blocks_cached": len(kv.pool.cached),  # full blocks findable by their prefix, in use or free
+            "num_swapped_out": sched.num_swapped_out,  # requests swapped out / in
+            "num_swapped_in": sched.num_swapped_in,
+            "swap_blocks_used": kv.num_swap_blocks_used,  # host blocks held by swapped requests
+            "swap_blocks_total": kv.num_cpu_blocks,
+            "num_running_reqs": len(running),
+            "num_waiting_reqs": len(sched.waiting),
+            "num_swapped_reqs": len(sched.swapped),
+        }
+
+    def spec_decode_stats(self) -> dict:
+        """Verifications ("drafts"), draft tokens checked and accepted, the acceptance rate, the mean acceptance
+        length (tokens a verifying step yields: accepted drafts + the target's own token) and the acceptance
+        rate at each draft position (position i is only reached if drafts 0 .. i-1 passed)."""
+        s = self.scheduler.spec_decoding_stats
+        drafts, proposed = s.num_drafts, s.num_draft_tokens
+        accepted, per_pos = s.num_accepted_tokens, s.num_accepted_tokens_per_pos
+        return {
+            "spec_decode_num_drafts": drafts,
+            "spec_decode_num_draft_tokens": proposed,
+            "spec_decode_num_accepted_tokens": accepted,
+            "spec_decode_acceptance_rate": accepted / proposed if proposed else 0.0,
+            "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
+            "spec_decode_num_accepted_tokens_per_pos": list(per_pos),
+            "spec_decode_acceptance_rate_per_pos": [n / drafts for n in per_pos] if drafts else [],
+        }
+
+    def get_scheduler_state(self) -> dict:
+        """Who waits, runs and is swapped out (sequence ids, in queue order), the preemptions so far, the live
+        sequences of each group and their tokens, and a copy of the KV books (`KVCacheManager.snapshot`): for
+        traces and pictures."""
+        sched = self.scheduler
+        return {
+            "waiting": [r.request_id for r in sched.waiting],
+            "swapped": [r.request_id for r in sched.swapped],
+            "running": [r.request_id for r in sched.running],
+            "preemptions": sched.num_preemptions,
+            "groups": {  # n > 1 and beam search: each live sequence's generated token ids
+                gid: {s.request_id: list(s.output_token_ids) for s in g.seqs if not s.finished}
+                for gid, g in sched.groups.items()
+            },
+            **self.kv_cache_manager.snapshot(),
+        }
+
+    def reset_prefix_cache(self) -> None:
+        self.kv_cache_manager.reset_prefix_cache()
+
+    def apply_model(self, fn):
+        """`fn(model)` on this process's model (rank 0 with tensor parallelism)."""
+        return fn(self.model_runner.model)
 
     def close(self) -> None:
         self.model_runner.close()

@@ -9,9 +9,13 @@
 
 A request's path, each hop converting data once:
 
-    prompt ─► InputProcessor ─► Request (token ids) ─► EngineCore: schedule ─► SchedulerOutput (data)
-           ─► ModelRunner: one forward, sample ─► ModelRunnerOutput (ids) ─► EngineCore: append, stop, free
-           ─► OutputProcessor: text, stop strings ─► RequestOutput
+    prompt ─► InputProcessor ─► Request (token ids) ─► EngineCoreClient ─► EngineCore: schedule
+           ─► SchedulerOutput (data) ─► ModelRunner: one forward, sample ─► ModelRunnerOutput (ids)
+           ─► EngineCore: append, stop, free ─► OutputProcessor: text, stop strings ─► RequestOutput
+
+The engine holds the core only through its client (roseinfer/engine/core_client.py): it sends requests and
+aborts, asks for a step, and reads counters, all as data; it never touches the scheduler, the KV cache
+manager or the model runner behind it.
 
 Each `step()` returns one RequestOutput per request that got a token (by its `output_kind`: everything so
 far and the new text in `delta`, by default). A request whose prompt is still being prefilled in chunks
@@ -27,7 +31,7 @@ from collections.abc import Iterator, Sequence
 from roseinfer.config import EngineArgs, EngineConfig
 from roseinfer.core.request import Request
 from roseinfer.core.sched.output import SchedulerOutput
-from roseinfer.engine.core import EngineCore
+from roseinfer.engine.core_client import EngineCoreClient
 from roseinfer.engine.input_processor import InputProcessor
 from roseinfer.engine.output_processor import OutputProcessor
 from roseinfer.outputs import RequestOutput
@@ -54,11 +58,9 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_model_dir(mc.model_dir, mc.vocab_size)
         self.input_processor = InputProcessor(self.tokenizer, mc.vocab_size, mc.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, mc.eos_token_ids)
-        self.engine_core = EngineCore(config)
-        self.scheduler = self.engine_core.scheduler
-        self.kv_cache_manager = self.engine_core.kv_cache_manager
-        self.model_runner = self.engine_core.model_runner
+        self.engine_core = EngineCoreClient.make_client(config)
         self.trace: list[dict] | None = None  # set to [] to record every step (notebooks, examples)
+        self.last_scheduler_output: SchedulerOutput | None = None  # the latest step's message (data only)
         self.num_steps = 0
         freeze_startup_heap()
 
@@ -68,7 +70,7 @@ class LLMEngine:
     ) -> None:
         """Queue a request. Bad input (and a prompt that can never fit the KV pool) raises here.
         `SamplingParams(n=...)` asks for n completions; `BeamSearchParams` runs a beam search."""
-        if request_id in self.output_processor.requests or request_id in self.scheduler.requests:
+        if request_id in self.output_processor.requests or self.engine_core.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
         if params is not None and not isinstance(params, (SamplingParams, BeamSearchParams)):
             raise TypeError(f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}")
@@ -85,14 +87,14 @@ class LLMEngine:
         _, prompt_ids = self.input_processor.process(prompt)
         self.input_processor.check_params(params)
         mc = self.config.model_config
-        self.scheduler.check_fits(Request("check", prompt_ids, params, mc.eos_token_ids, mc.max_model_len))
+        self.engine_core.check_fits(Request("check", prompt_ids, params, mc.eos_token_ids, mc.max_model_len))
         return prompt_ids
 
     def abort_request(self, request_id: str) -> None:
         """Stop a waiting or running request now and give its KV blocks back."""
         if request_id not in self.output_processor.requests:
             raise KeyError(f"cannot abort unknown request id {request_id!r} (finished requests are forgotten)")
-        self.engine_core.abort_request(request_id)
+        self.engine_core.abort_requests([request_id])
         self.output_processor.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -104,7 +106,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the tensor-parallel workers; a no-op with one process."""
-        self.engine_core.close()
+        self.engine_core.shutdown()
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -113,13 +115,14 @@ class LLMEngine:
             so, core_outputs = self.engine_core.step()
             outputs, stopped = self.output_processor.process_outputs(core_outputs)
             if stopped:  # stop strings: the core frees those sequences now, before the next step
-                self.scheduler.finish_requests(stopped, "stop")
+                self.engine_core.finish_requests(stopped, "stop")
         except BaseException:  # (a request that fails in the model runner fails alone: finish_reason "error")
             for rid in list(self.output_processor.requests):  # any other failed step: fail every request, no leak
                 self.abort_request(rid)
             self.reset_prefix_cache()  # blocks registered for this step may never have been written
             raise
         self.num_steps += 1
+        self.last_scheduler_output = so
         if self.trace is not None:
             done = [o.request_id for o in core_outputs if o.finish_reason is not None]
             self.trace.append(self._trace_entry(so, done + stopped))
@@ -137,44 +140,21 @@ class LLMEngine:
 
     # ---- counters ----------------------------------------------------------------------------
     def get_stats(self) -> dict:
-        """Counters since the engine started (vLLM's names): prefix-cache lookups and hits in tokens,
-        preemptions, KV blocks in use (held by a request) out of the pool, swaps and host blocks, and with
-        speculative decoding the drafts proposed and accepted (see `spec_decode_stats`)."""
-        sched, kv = self.scheduler, self.kv_cache_manager
-        return {
-            **(self.spec_decode_stats() if self.config.speculative_config is not None else {}),
-            "prefix_cache_queries": sched.prefix_cache_queries,
-            "prefix_cache_hits": sched.prefix_cache_hits,
-            "num_preemptions": sched.num_preemptions,
-            "kv_blocks_used": kv.num_used_blocks,  # read after every step by the server: O(1)
-            "kv_blocks_total": kv.num_blocks,
-            "kv_blocks_cached": len(kv.pool.cached),  # full blocks findable by their prefix, in use or free
-            "num_swapped_out": sched.num_swapped_out,  # requests swapped out / in
-            "num_swapped_in": sched.num_swapped_in,
-            "swap_blocks_used": kv.num_swap_blocks_used,  # host blocks held by swapped requests
-            "swap_blocks_total": kv.num_cpu_blocks,
-        }
+        """The core's counters (`EngineCore.get_stats`: prefix cache, preemptions, KV blocks, swaps, queue
+        lengths, and with speculative decoding the drafts proposed and accepted)."""
+        return self.engine_core.get_stats()
 
     def spec_decode_stats(self) -> dict:
-        """Verifications ("drafts"), draft tokens checked and accepted, the acceptance rate, the mean acceptance
-        length (tokens a verifying step yields: accepted drafts + the target's own token) and the acceptance
-        rate at each draft position (position i is only reached if drafts 0 .. i-1 passed)."""
-        s = self.scheduler.spec_decoding_stats
-        drafts, proposed = s.num_drafts, s.num_draft_tokens
-        accepted, per_pos = s.num_accepted_tokens, s.num_accepted_tokens_per_pos
-        return {
-            "spec_decode_num_drafts": drafts,
-            "spec_decode_num_draft_tokens": proposed,
-            "spec_decode_num_accepted_tokens": accepted,
-            "spec_decode_acceptance_rate": accepted / proposed if proposed else 0.0,
-            "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
-            "spec_decode_num_accepted_tokens_per_pos": list(per_pos),
-            "spec_decode_acceptance_rate_per_pos": [n / drafts for n in per_pos] if drafts else [],
-        }
+        """The speculative-decoding counters of `get_stats` (`EngineCore.spec_decode_stats`)."""
+        return {k: v for k, v in self.get_stats().items() if k.startswith("spec_decode_")}
+
+    def get_scheduler_state(self) -> dict:
+        """Who waits, runs and is swapped out, and a copy of the KV books (`EngineCore.get_scheduler_state`)."""
+        return self.engine_core.get_scheduler_state()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix: later requests compute their K/V again (blocks in use stay)."""
-        self.kv_cache_manager.reset_prefix_cache()
+        self.engine_core.reset_prefix_cache()
 
     def _trace_entry(self, so: SchedulerOutput, finished: list[str]) -> dict:
         c = so.scheduled_cached_reqs
@@ -189,13 +169,9 @@ class LLMEngine:
             ],  # fmt: skip
             "preempted_req_ids": list(so.preempted_req_ids),
             "finished": finished,
-            "waiting": [r.request_id for r in self.scheduler.waiting],
-            "swapped": [r.request_id for r in self.scheduler.swapped],
             "blocks_to_swap_out": list(so.blocks_to_swap_out),
             "blocks_to_swap_in": list(so.blocks_to_swap_in),
-            "running": [r.request_id for r in self.scheduler.running],
-            "preemptions": self.scheduler.num_preemptions,
-            **self.kv_cache_manager.snapshot(),
+            **self.engine_core.get_scheduler_state(),  # waiting, running, swapped, preemptions, the KV books
         }
 
 

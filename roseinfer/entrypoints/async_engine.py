@@ -38,7 +38,6 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from roseinfer.core.request import Request
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.entrypoints.stats import IterationStats, RequestStateStats
 from roseinfer.outputs import RequestOutput
@@ -80,7 +79,7 @@ class AsyncLLMEngine:
         self._handing = 0  # requests taken from _pending by the step in progress (not yet in a snapshot)
         self._preparing = 0  # requests being tokenized (check_request)
         self._aborts: set[str] = set()  # to abort before the next step
-        self._unscheduled: dict[str, Request] = {}  # step thread: added, not yet scheduled, oldest first
+        self._unscheduled: dict[str, None] = {}  # step thread: ids added, not yet scheduled, oldest first
         self._iteration = IterationStats()  # what happened since the last turn (aborts noticed meanwhile)
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
@@ -232,8 +231,7 @@ class AsyncLLMEngine:
             except Exception as e:  # this request only: the engine checks before it queues anything
                 errors.append((rid, e, False))
                 continue
-            if (req := eng.scheduler.requests.get(rid)) is not None:
-                self._unscheduled[rid] = req
+            self._unscheduled[rid] = None
         if eng.has_unfinished_requests():
             live, start = eng.unfinished_request_ids, time.perf_counter()
             try:
@@ -246,18 +244,21 @@ class AsyncLLMEngine:
             except Exception as e:  # the engine has aborted every request and freed their blocks
                 self._unscheduled.clear()
                 errors += [(rid, RuntimeError(f"engine step failed: {type(e).__name__}: {e}"), True) for rid in live]
-        sched = eng.scheduler
-        snapshot = EngineSnapshot(len({s.group.group_id if s.group else s.request_id for s in sched.running}),
-                                  len(sched.waiting), len(sched.swapped), eng.get_stats())  # fmt: skip
+        stats = eng.get_stats()
+        num = stats["num_running_reqs"], stats["num_waiting_reqs"], stats["num_swapped_reqs"]
+        snapshot = EngineSnapshot(*num, stats)
         return StepResult(outputs, errors, scheduled, snapshot)
 
     def _take_scheduled(self, start: float) -> list[tuple[str, float]]:
-        """The requests this step scheduled for the first time, with the step's start. A scheduled request has
-        computed (or booked) tokens; waiting requests are admitted oldest first, so the scan stops at the first
-        one still waiting."""
-        seen = []
-        for rid, req in self._unscheduled.items():
-            if req.num_computed_tokens == 0 and req.finish_reason is None:
+        """The requests this step scheduled for the first time, with the step's start: those in the step's
+        `SchedulerOutput`. Waiting requests are admitted oldest first, so the scan stops at the first one that
+        is neither scheduled nor gone (finished or aborted before it ever ran: dropped without a time)."""
+        ran = self.engine.last_scheduler_output.num_scheduled_tokens
+        unfinished, seen = self.engine.output_processor.requests, []
+        for rid in self._unscheduled:
+            if rid not in ran and rid in unfinished:
                 break
             seen.append(rid)
-        return [(rid, start) for rid in seen if self._unscheduled.pop(rid).num_computed_tokens > 0]
+        for rid in seen:
+            del self._unscheduled[rid]
+        return [(rid, start) for rid in seen if rid in ran]
