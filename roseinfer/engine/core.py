@@ -69,20 +69,23 @@ class EngineCore:
         """One step; with async scheduling, the outputs are those of the step before, which ran meanwhile."""
         if self.config.scheduler_config.async_scheduling:
             return self._step_async()
-        so = self.scheduler.schedule()
-        out = self.model_runner.execute_model(so)
-        return so, self._update(so, out)
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.model_runner.execute_model(scheduler_output)
+        return scheduler_output, self._update(scheduler_output, runner_output)
 
-    def _update(self, so: SchedulerOutput, out) -> list[EngineCoreOutput]:
-        failed = self._fail(out.errors) if out.errors else []
-        return failed + self.scheduler.update_from_output(so, out) + self.beam_search.on_step(out.beam_logprobs)
+    def _update(self, scheduler_output: SchedulerOutput, runner_output) -> list[EngineCoreOutput]:
+        failed = self._fail(runner_output.errors) if runner_output.errors else []
+        outputs = failed + self.scheduler.update_from_output(scheduler_output, runner_output)
+        if runner_output.beam_logprobs:  # beams whose search can take its next step
+            outputs += self.beam_search.on_step(runner_output.beam_logprobs)
+        return outputs
 
     def _fail(self, errors: dict[str, str]) -> list[EngineCoreOutput]:
         """Requests that failed in the runner (it could not set them up, or the step raised for them) fail alone:
         every sequence of the caller's request is freed now and reported with finish_reason "error" and why; the
         blocks only they held leave the prefix cache; the rest of the batch goes on."""
         outputs, sched = [], self.scheduler
-        for rid, why in errors.items():
+        for rid, error_message in errors.items():
             req = sched.requests.get(rid)
             if req is None:
                 continue  # already failed with a sibling
@@ -94,8 +97,12 @@ class EngineCore:
             blocks = {b for s in seqs for b in self.kv_cache_manager.block_tables.get(s.request_id, ())}
             sched.finish_requests([s.request_id for s in seqs], "error")
             self.kv_cache_manager.forget_unheld_prefixes(blocks)  # they may hold K/V never written
-            outputs += [EngineCoreOutput(s.request_id, [], "error", None if group is None else caller, s.index,
-                                         num_cached_tokens=s.num_cached_tokens, error=why) for s in seqs]  # fmt: skip
+            parent = None if group is None else caller
+            outputs += [
+                EngineCoreOutput(s.request_id, [], "error", parent, s.index, num_cached_tokens=s.num_cached_tokens,
+                                 error=error_message)
+                for s in seqs
+            ]  # fmt: skip
         return outputs
 
     def _step_async(self) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
@@ -107,13 +114,13 @@ class EngineCore:
         Step t+1 is scheduled before step t's tokens are known: a request whose token is in flight counts it as a
         placeholder (one more token, not yet computed). Stops are found one step late: the request already
         scheduled for t+1 computes one token that is dropped."""
-        so = self.scheduler.schedule()
+        scheduler_output = self.scheduler.schedule()
         outputs: list[EngineCoreOutput] = []
         if self._in_flight is not None:
             prev, handle = self._in_flight
             outputs = self._update(prev, self.model_runner.finish_step(handle))
-        self._in_flight = (so, self.model_runner.launch_step(so))
-        return so, outputs
+        self._in_flight = (scheduler_output, self.model_runner.launch_step(scheduler_output))
+        return scheduler_output, outputs
 
     # ---- what the core tells about itself (data only) ------------------------------------
     def get_stats(self) -> dict:

@@ -112,7 +112,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step: schedule, one forward, update. Returns an output for every request that got a token."""
         try:
-            so, core_outputs = self.engine_core.step()
+            scheduler_output, core_outputs = self.engine_core.step()
             outputs, stopped = self.output_processor.process_outputs(core_outputs)
             if stopped:  # stop strings: the core frees those sequences now, before the next step
                 self.engine_core.finish_requests(stopped, "stop")
@@ -122,10 +122,10 @@ class LLMEngine:
             self.reset_prefix_cache()  # blocks registered for this step may never have been written
             raise
         self.num_steps += 1
-        self.last_scheduler_output = so
+        self.last_scheduler_output = scheduler_output
         if self.trace is not None:
             done = [o.request_id for o in core_outputs if o.finish_reason is not None]
-            self.trace.append(self._trace_entry(so, done + stopped))
+            self.trace.append(self._trace_entry(scheduler_output, done + stopped))
         return outputs
 
     def stream(
@@ -156,21 +156,23 @@ class LLMEngine:
         """Forget every cached prefix: later requests compute their K/V again (blocks in use stay)."""
         self.engine_core.reset_prefix_cache()
 
-    def _trace_entry(self, so: SchedulerOutput, finished: list[str]) -> dict:
-        c = so.scheduled_cached_reqs
+    def _trace_entry(self, scheduler_output: SchedulerOutput, finished: list[str]) -> dict:
+        c = scheduler_output.scheduled_cached_reqs
         return {
             "step": self.num_steps,
-            "ran": list(so.num_scheduled_tokens),
-            "num_scheduled_tokens": dict(so.num_scheduled_tokens),
-            "scheduled_spec_decode_tokens": {k: list(v) for k, v in so.scheduled_spec_decode_tokens.items()},
-            "scheduled_new_reqs": [r.req_id for r in so.scheduled_new_reqs],
+            "ran": list(scheduler_output.num_scheduled_tokens),
+            "num_scheduled_tokens": dict(scheduler_output.num_scheduled_tokens),
+            "scheduled_spec_decode_tokens": {
+                k: list(v) for k, v in scheduler_output.scheduled_spec_decode_tokens.items()
+            },
+            "scheduled_new_reqs": [r.req_id for r in scheduler_output.scheduled_new_reqs],
             "scheduled_resumed_reqs": [
                 r for r, resumed in zip(c.req_ids, c.resumed_from_preemption, strict=True) if resumed
             ],  # fmt: skip
-            "preempted_req_ids": list(so.preempted_req_ids),
+            "preempted_req_ids": list(scheduler_output.preempted_req_ids),
             "finished": finished,
-            "blocks_to_swap_out": list(so.blocks_to_swap_out),
-            "blocks_to_swap_in": list(so.blocks_to_swap_in),
+            "blocks_to_swap_out": list(scheduler_output.blocks_to_swap_out),
+            "blocks_to_swap_in": list(scheduler_output.blocks_to_swap_in),
             **self.engine_core.get_scheduler_state(),  # waiting, running, swapped, preemptions, the KV books
         }
 
