@@ -101,12 +101,14 @@ class OpenAIServing:
                                 f"{max_tokens} for the completion).", "max_tokens")  # fmt: skip
 
     def admit(self, num_prompts: int) -> None:
-        """503 when the server cannot take it now: shutting down, or too many requests waiting already."""
+        """503 when the server cannot take it now: shutting down, or too many requests waiting already (with
+        `Retry-After: 1`, the seconds a client should wait: about the time a few steps free the queue)."""
         if self.state.draining:
             raise APIError(503, "the server is shutting down; retry on another replica or later")
         waiting = self.engine.num_waiting
         if waiting + num_prompts > self.max_waiting:
-            raise APIError(503, f"server busy: {waiting} requests are waiting (limit {self.max_waiting}); retry later")
+            raise APIError(503, f"server busy: {waiting} requests are waiting (limit {self.max_waiting}); retry later",
+                           headers={"Retry-After": "1"})  # fmt: skip
 
     # ---- the engine's streams -----------------------------------------------------------------------------------
     async def start_streams(self, raw: Request, rid: str, prompts: list[list[int]], params: SamplingParams,

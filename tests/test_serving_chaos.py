@@ -1,0 +1,104 @@
+"""Chaos on the server, bounded: for a fixed time, many clients at once send a mix of good and bad requests
+above what the server takes (a small pool, a short waiting queue), walk away mid-stream or before the first
+token, and ask for n > 1, penalties, stop strings and log-probabilities. Afterwards nothing is left behind:
+every KV block is free, the metrics show no request running or waiting, and a plain request is answered as
+before the storm. Loopback only; every loop is bounded in count and time."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import httpx
+from test_13_server import assert_engine_empty, serving
+
+from roseinfer import LLMEngine, SamplingParams
+from roseinfer.entrypoints.async_engine import AsyncLLMEngine
+
+DURATION_S = 12.0
+CLIENTS = 16
+MAX_REQUESTS = 600  # a bound on the whole storm, whatever the machine's speed
+
+
+def _body(rng: random.Random, kind: str) -> dict:
+    prompt = rng.choice(["Romeo.\n", "Juliet.\n", "Enter the Nurse.\n", "O Romeo, Romeo!"])
+    return {
+        "good": {"prompt": prompt, "max_tokens": rng.randint(1, 12)},
+        "n": {"prompt": prompt, "max_tokens": 6, "n": 3, "temperature": 0.9, "seed": rng.randint(0, 99)},
+        "penalty": {
+            "prompt": prompt,
+            "max_tokens": 8,
+            "presence_penalty": 1.0,
+            "frequency_penalty": 0.5,
+            "stop": ["\n\n"],
+            "logprobs": 2,
+        },  # fmt: skip
+        "bad": rng.choice(
+            [
+                {"prompt": prompt, "temperature": -1},
+                {"prompt": [5] * 600},
+                {"prompt": prompt, "max_tokens": "many"},
+                {"prompt": prompt, "n": 0},
+            ]
+        ),  # fmt: skip
+        "stream": {"prompt": prompt, "max_tokens": 24, "stream": True},
+        "vanish": {"prompt": prompt, "max_tokens": 64},
+    }[kind]
+
+
+async def _client(url: str, seed: int, deadline: float, seen: dict, budget: list) -> None:
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        while time.monotonic() < deadline and budget[0] > 0:
+            budget[0] -= 1
+            kind = rng.choice(["good", "good", "n", "penalty", "bad", "stream", "vanish"])
+            body = _body(rng, kind)
+            try:
+                if kind == "stream":  # read a few events, then hang up mid-stream
+                    async with http.stream("POST", "/v1/completions", json=body) as r:
+                        status, events = r.status_code, 0
+                        async for line in r.aiter_lines():
+                            events += line.startswith("data:")
+                            if events >= rng.randint(1, 4):
+                                break
+                elif kind == "vanish":  # give up before the answer comes
+                    r = await http.post("/v1/completions", json=body, timeout=rng.uniform(0.01, 0.2))
+                    status = r.status_code
+                else:
+                    r = await http.post("/v1/completions", json=body)
+                    status = r.status_code
+                    if status == 503:
+                        assert r.headers.get("retry-after") == "1", r.headers
+                    if status >= 400:
+                        assert set(r.json()["error"]) >= {"message", "type", "code"}
+            except httpx.TimeoutException:
+                status = "gone"
+            seen.setdefault(kind, []).append(status)
+            if status == 503:
+                await asyncio.sleep(rng.uniform(0.1, 0.4))  # busy: come back a little later (sooner than asked)
+
+
+def test_a_storm_of_mixed_requests_leaves_nothing_behind(llm):
+    engine = AsyncLLMEngine(LLMEngine(device="cpu", dtype="float32", max_num_seqs=8, block_size=8, num_blocks=40))
+    seen: dict[str, list] = {}
+    with serving(engine, max_waiting=6) as (url, _):
+        deadline, budget = time.monotonic() + DURATION_S, [MAX_REQUESTS]
+
+        async def storm():
+            await asyncio.gather(*(_client(url, seed, deadline, seen, budget) for seed in range(CLIENTS)))
+
+        asyncio.run(storm())
+        assert_engine_empty(engine, timeout=30)  # every request finished or aborted, every block free
+        metrics = httpx.get(url + "/metrics").text
+        for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+            line = next(ln for ln in metrics.splitlines() if ln.startswith(gauge + "{"))
+            assert float(line.rsplit(" ", 1)[1]) == 0, line
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Romeo.\n", "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200
+        want = llm.generate(["Romeo.\n"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].text
+        assert r.json()["choices"][0]["text"] == want  # served as before the storm
+    statuses = [s for v in seen.values() for s in v]
+    assert not [s for s in statuses if isinstance(s, int) and s >= 500 and s != 503], seen  # 503 is the only 5xx
+    assert all(s in (400, 422) for s in seen.get("bad", [])), seen["bad"]  # a bad request is a 4xx, never a 503
+    assert 200 in seen.get("good", []) and 503 in statuses, seen  # some served, and the queue did overflow
