@@ -6,6 +6,7 @@
 #   2. pip install torch==2.13.0          (first, and only if torch is missing)
 #   3. pip install -r requirements.txt -c scripts/constraints.txt
 #   4. pip install --no-deps -e .       (only into this checkout's own .venv)
+#   5. apt-get install libtcmalloc-minimal4   (as root with apt, if missing: the server's allocator)
 #
 # The stamp file .venv/.roseinfer-setup lists the requirement lines that were installed
 # (requirements.txt + constraints, comments dropped). Setup is skipped when every requirement of
@@ -30,6 +31,13 @@ if [ ! -x "$VENV/bin/python" ] || [ -n "$(LC_ALL=C comm -23 <(echo "$_stamp_want
   "$VENV/bin/python" -m pip install -q -r "$_root/requirements.txt" -c "$_root/scripts/constraints.txt"
   if [ "$VENV" = "$_root/.venv" ]; then  # `import roseinfer` anywhere means this checkout
     "$VENV/bin/python" -m pip install -q --no-deps -e "$_root"
+  fi
+  # tcmalloc for `roseinfer serve --allocator auto` (roseinfer/entrypoints/allocator.py), where we may install it
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal; then
+    echo "[setup] installing libtcmalloc-minimal4 (a malloc that gives memory back, for the server)" >&2
+    (apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1; }) \
+      || echo "[setup] could not install libtcmalloc-minimal4: the server uses glibc's malloc" >&2
   fi
   echo "$_stamp_want" > "$VENV/.roseinfer-setup"
   echo "[setup] done" >&2

@@ -18,7 +18,7 @@ from roseinfer import LLM, SamplingParams
 from roseinfer.attention import resolve_backend_name
 from roseinfer.attention.cpu_paged import paged_decode_cpu
 from roseinfer.attention.reference import paged_attention_reference
-from roseinfer.model_executor.onednn_linear import pack_weight, packed_linear, resolve_linear_backend
+from roseinfer.model_executor.onednn_linear import bucket_rows, pack_weight, packed_linear, resolve_linear_backend
 
 CPU = torch.device("cpu")
 
@@ -41,6 +41,24 @@ def test_packed_linear_takes_3d_and_strided_input_and_fuses_tanh_gelu():
     torch.testing.assert_close(packed_linear(strided, packed, b), F.linear(strided, w, b), rtol=1e-5, atol=1e-5)
     fused = packed_linear(x, packed, b, gelu_tanh=True)
     torch.testing.assert_close(fused, F.gelu(F.linear(x, w, b), approximate="tanh"), rtol=1e-5, atol=1e-5)
+
+
+def test_onednn_sees_a_few_row_counts_whatever_the_steps(monkeypatch):
+    """A server's steps have any row count from 1 to the token budget; oneDNN builds and keeps a primitive for each
+    shape it sees, so the rows are padded to a few sizes (zeros), and the answer is the same."""
+    assert [bucket_rows(n) for n in (1, 2, 3, 5, 9, 17, 32, 33, 64, 65, 2047)] == [
+        1, 2, 4, 8, 16, 32, 32, 64, 64, 96, 2048]  # fmt: skip
+    assert all(n <= bucket_rows(n) < max(2 * n, n + 32) for n in range(1, 4097))
+    assert len({bucket_rows(n) for n in range(1, 2049)}) == 69
+    seen, call = set(), torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: seen.add(x.shape[0]) or call(x, *a))
+    torch.manual_seed(0)
+    w, b = torch.randn(48, 24) * 0.1, torch.randn(48)
+    packed = pack_weight(w)
+    for rows in range(1, 200):
+        x = torch.randn(rows, 24)
+        torch.testing.assert_close(packed_linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert seen == {bucket_rows(n) for n in range(1, 200)} and len(seen) == 12
 
 
 def test_packed_linear_in_bf16():

@@ -4,6 +4,7 @@
     roseinfer serve --model path/to/gpt2 --port 8001 --max-num-seqs 32 --preemption-mode swap
     roseinfer serve --tensor-parallel-size 2          # the model split across 2 processes
     roseinfer serve --api-key KEY --chat-template chat.jinja --shutdown-timeout 10
+    roseinfer serve --allocator system                # glibc's malloc (default: tcmalloc/jemalloc if installed)
 
 The engine's flags are `EngineArgs`' fields with dashes (vLLM's spelling), made from the one definition in
 roseinfer/config.py; the server's are below (vLLM's names where vLLM has the flag).
@@ -13,9 +14,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from roseinfer.config import EngineArgs
+from roseinfer.entrypoints.allocator import CHOICES as ALLOCATOR_CHOICES
+from roseinfer.entrypoints.allocator import restart_with_allocator
 
 
 def serve_parser(sub) -> argparse.ArgumentParser:
@@ -50,6 +54,13 @@ def serve_parser(sub) -> argparse.ArgumentParser:
         "with an error event (a second Ctrl-C ends them at once)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument(
+        "--allocator",
+        choices=ALLOCATOR_CHOICES,
+        default="auto",
+        help="preload a malloc that gives memory back (auto: tcmalloc, else jemalloc, when installed; "
+        "system: glibc's), by starting the server again with LD_PRELOAD (roseinfer/entrypoints/allocator.py)",
+    )
     EngineArgs.add_cli_args(p)
     return p
 
@@ -94,6 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     serve_parser(sub)
     args = ap.parse_args(argv)
     if args.command == "serve":
+        if argv is None:  # the command line itself (not a call from Python): start again on the allocator
+            restart_with_allocator(sys.argv[1:], args.allocator)
         serve(args)
 
 

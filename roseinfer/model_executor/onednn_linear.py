@@ -16,6 +16,12 @@ linear layer are held twice. `_linear_pointwise` can also apply an activation on
 Chapter 17 measures the choice on this CPU at the step's shapes (scripts/roofline.py): the packed
 path reaches the GEMM peak already at 32 rows, where sgemm is well short of it, and the LM head
 ([N, 768] × [768, 50257], the step's biggest GEMM) gets the most out of it.
+
+oneDNN builds (and keeps) a primitive, with its JIT-compiled kernel and buffers, for every shape it is called
+with. A server's steps have any number of rows from 1 to the token budget, so it would build one for each, and
+its memory would grow for as long as new row counts come (a soak of `roseinfer serve` grew 21 MiB a minute).
+So the rows are padded to a few sizes, `bucket_rows`: 1, 2, 4, ..., 32, then multiples of 32: at most 69
+shapes per layer for a budget of 2048 tokens. The padding rows are zeros, and their outputs are dropped.
 """
 
 from __future__ import annotations
@@ -51,11 +57,29 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 
+ROW_BUCKET = 32  # rows are padded to a power of two up to this, then to a multiple of it
+
+
+def bucket_rows(num_rows: int) -> int:
+    """The row count oneDNN is called with for `num_rows` rows: 1, 2, 4, 8, 16, 32, 64, 96, 128, ..."""
+    if num_rows <= ROW_BUCKET:
+        return 1 << (num_rows - 1).bit_length() if num_rows > 1 else num_rows
+    return -(-num_rows // ROW_BUCKET) * ROW_BUCKET
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, gelu_tanh: bool = False):
-    """x [..., in] -> x Wᵀ + b [..., out] through the packed W; `gelu_tanh` also applies GELU (tanh form)."""
+    """x [..., in] -> x Wᵀ + b [..., out] through the packed W; `gelu_tanh` also applies GELU (tanh form).
+    The N rows of x are padded to `bucket_rows(N)` for the call, so that oneDNN sees only a few shapes."""
+    lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])  # [N, in]
+    num_rows = rows.shape[0]
+    padded = bucket_rows(num_rows)
+    if padded != num_rows:
+        rows = torch.cat([rows, rows.new_zeros(padded - num_rows, rows.shape[1])])  # [padded, in]
     if gelu_tanh:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "gelu", [], "tanh")
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "gelu", [], "tanh")
+    else:
+        out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    return out[:num_rows].reshape(*lead, out.shape[-1])  # [..., out]
 
 
 def pack_linear_layers(model: nn.Module) -> int:

@@ -1,19 +1,24 @@
-"""Chaos on the server, bounded: for a fixed time, many clients at once send a mix of good and bad requests
-above what the server takes (a small pool, a short waiting queue), walk away mid-stream or before the first
-token, and ask for n > 1, penalties, stop strings and log-probabilities. Afterwards nothing is left behind:
-every KV block is free, the metrics show no request running or waiting, and a plain request is answered as
-before the storm. Loopback only; every loop is bounded in count and time."""
+"""Serving that holds. The server runs on an allocator that gives memory back (tcmalloc or jemalloc, preloaded
+by restarting itself once). And chaos on the server, bounded: for a fixed time, many clients at once send a
+mix of good and bad requests above what the server takes (a small pool, a short waiting queue), walk away
+mid-stream or before the first token, and ask for n > 1, penalties, stop strings and log-probabilities.
+Afterwards nothing is left behind: every KV block is free, the metrics show no request running or waiting,
+and a plain request is answered as before the storm. Loopback only; every loop is bounded in count and time."""
 
 from __future__ import annotations
 
 import asyncio
 import random
 import time
+from pathlib import Path
 
 import httpx
+import pytest
 from test_13_server import assert_engine_empty, serving
+from test_19_server_ops import serve_process
 
 from roseinfer import LLMEngine, SamplingParams
+from roseinfer.entrypoints import allocator
 from roseinfer.entrypoints.async_engine import AsyncLLMEngine
 
 DURATION_S = 12.0
@@ -102,3 +107,33 @@ def test_a_storm_of_mixed_requests_leaves_nothing_behind(llm):
     assert not [s for s in statuses if isinstance(s, int) and s >= 500 and s != 503], seen  # 503 is the only 5xx
     assert all(s in (400, 422) for s in seen.get("bad", [])), seen["bad"]  # a bad request is a 4xx, never a 503
     assert 200 in seen.get("good", []) and 503 in statuses, seen  # some served, and the queue did overflow
+
+
+# ---- the allocator ------------------------------------------------------------------------------------------------
+def test_the_allocator_choice_and_its_errors(monkeypatch):
+    assert allocator.find_allocator("system") is None
+    with pytest.raises(ValueError, match="unknown allocator 'ptmalloc'"):
+        allocator.find_allocator("ptmalloc")
+    monkeypatch.setattr(allocator.ctypes.util, "find_library", lambda name: None)
+    assert allocator.find_allocator("auto") is None  # nothing installed: glibc's malloc, no restart
+    with pytest.raises(SystemExit, match="--allocator jemalloc: the library jemalloc is not installed"):
+        allocator.find_allocator("jemalloc")
+    monkeypatch.setattr(allocator.os, "execve", lambda *a: pytest.fail("restarted although nothing to preload"))
+    allocator.restart_with_allocator(["serve"], "auto")
+
+
+def test_a_restarted_process_does_not_restart_again(monkeypatch):
+    monkeypatch.setenv(allocator.MARK, "tcmalloc")
+    monkeypatch.setattr(allocator.os, "execve", lambda *a: pytest.fail("restarted twice"))
+    allocator.restart_with_allocator(["serve"], "auto")
+
+
+@pytest.mark.skipif(allocator.find_allocator("auto") is None, reason="neither tcmalloc nor jemalloc is installed")
+def test_the_server_runs_on_the_preloaded_allocator():
+    name, library = allocator.find_allocator("auto")
+    with serve_process() as (proc, url):
+        maps = Path(f"/proc/{proc.pid}/maps").read_text()  # the same pid: the restart replaced the process in place
+        assert library.split(".so")[0] in maps, f"{library} is not mapped into the server"
+        assert httpx.post(url + "/v1/completions", json={"prompt": "Romeo.", "max_tokens": 2}).status_code == 200
+    with serve_process("--allocator", "system") as (proc, url):
+        assert library.split(".so")[0] not in Path(f"/proc/{proc.pid}/maps").read_text()
