@@ -32,8 +32,6 @@ with the next step's message (`apply_sampled`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
@@ -42,27 +40,15 @@ from roseinfer.config import EngineConfig
 from roseinfer.core.request import as_token_ids
 from roseinfer.core.sched.output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
 from roseinfer.model_executor.loader import load_model
-from roseinfer.sample.logprobs import compute_logprobs, to_lists
+from roseinfer.sample.logprobs import to_lists
 from roseinfer.sample.rejection_sampler import rejection_sample
-from roseinfer.sample.sampler import sample
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.worker.input_batch import InputBatch
 from roseinfer.worker.kv_cache import KVCache, swap_blocks
 from roseinfer.worker.prompt_logprobs import gather_prompt_logprobs
+from roseinfer.worker.step_handle import StepHandle, sample_plain
 from roseinfer.worker.step_inputs import StepInputs, prepare_step
 from roseinfer.worker.step_isolation import Failures, run_in_parts, spans, why, without
-
-
-@dataclass
-class StepHandle:
-    """A launched step: its output so far, and the plain rows' tokens (maybe still landing in host memory)."""
-
-    out: ModelRunnerOutput
-    plain: np.ndarray  # indices into out.req_ids of the requests that sampled one token
-    rows: np.ndarray  # their rows in the input batch
-    tokens: torch.Tensor | None  # [P] int64 on the host
-    event: torch.cuda.Event | None  # recorded after the copy (CUDA)
-    logprobs: tuple | None = None  # (which of the plain rows, their N, host tensors of compute_logprobs)
 
 
 class ModelRunner:
@@ -227,10 +213,9 @@ class ModelRunner:
         handle = StepHandle(out, plain, rows if all_plain else rows[plain], None, None)
         last_row = np.cumsum(nrows) - 1  # each request's last logits row
         tokens = None
-        if all_plain:
-            tokens = self._sample_plain(logits, rows, handle)
-        elif len(plain):
-            tokens = self._sample_plain(logits[self.to_device(last_row[plain])], rows[plain], handle)
+        if len(plain):  # all in one call of the sampler
+            plain_logits = logits if all_plain else logits[self.to_device(last_row[plain])]
+            tokens = sample_plain(ib, plain_logits, handle.rows, handle, self.to_device)
         verified = self._verify(logits, req_ids, rows, nrows, np.flatnonzero(spec), so, out) if spec.any() else ()
         for i in np.flatnonzero(beam).tolist():  # a beam: its best next tokens, for the beam search
             state = ib.requests[req_ids[i]]
@@ -244,29 +229,6 @@ class ModelRunner:
             ib.requests[req_ids[i]].spec_draft_probs = None  # used: the next drafts bring their own
             ib.append_tokens(int(rows[i]), toks)
         return handle
-
-    def _sample_plain(self, logits: torch.Tensor, rows: np.ndarray, handle: StepHandle) -> torch.Tensor:
-        """One token per row from the sampler, on their way to the host (with the event that says they are there);
-        the log-probabilities of the requests that want them (logprobs, or n > 1), from the raw logits. Returns the
-        tokens on the device."""
-        ib = self.input_batch
-        t = ib.sampling_tensors(rows, logits.device)
-        want = np.flatnonzero(ib.num_logprobs[rows] >= 0) if ib.num_logprob_rows else ()
-        raw = logits[self.to_device(want)] if len(want) else None  # a copy: the processors change logits in place
-        tokens = sample(logits, t)  # [S]
-        lp = None
-        if raw is not None:
-            nums = ib.num_logprobs[rows[want]]
-            lp = compute_logprobs(raw, tokens[self.to_device(want)], int(nums.max()))
-        if tokens.device.type == "cpu":
-            handle.tokens = tokens
-            handle.logprobs = None if lp is None else (want, nums, lp)
-            return tokens
-        handle.tokens = _to_host(tokens)  # the host does other work while this lands
-        handle.logprobs = None if lp is None else (want, nums, tuple(_to_host(x) for x in lp))
-        handle.event = torch.cuda.Event()
-        handle.event.record()
-        return tokens
 
     def _verify(self, logits: torch.Tensor, req_ids: list[str], rows: np.ndarray, nrows: np.ndarray,
                 idx: np.ndarray, so: SchedulerOutput, out: ModelRunnerOutput) -> list:  # fmt: skip
@@ -374,10 +336,3 @@ class ModelRunner:
 
     def close(self) -> None:
         """Nothing to stop in one process (the tensor-parallel runner stops its workers)."""
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A device tensor's copy in pinned host memory, on its way (non-blocking)."""
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    return host
