@@ -1,5 +1,12 @@
 """The model runner: one SchedulerOutput in, ONE forward pass, the sampled tokens out.
 
+Built in the engine core's order (roseinfer/engine/core.py), as vLLM's EngineCore builds it:
+
+    runner = ModelRunner(config)                     the model (this rank's shard) and the persistent batch
+    num_blocks = runner.determine_num_kv_blocks()    the pool asked for; on CUDA by default what the weights left
+    config = config.with_num_gpu_blocks(num_blocks)  the final config, which the scheduler is built from
+    runner.initialize_kv_cache(num_blocks)           the KV tensors, then what reads them (draft model, graphs)
+
     execute_model(scheduler_output)
       1. update the persistent batch with what changed   new rows, forks, finished rows, block-table tails,
                                                          num_computed_tokens (roseinfer/worker/input_batch.py)
@@ -44,7 +51,7 @@ from roseinfer.sample.logprobs import to_lists
 from roseinfer.sample.rejection_sampler import rejection_sample
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.worker.input_batch import InputBatch
-from roseinfer.worker.kv_cache import KVCache, swap_blocks
+from roseinfer.worker.kv_cache import KVCache, num_blocks_that_fit, swap_blocks
 from roseinfer.worker.prompt_logprobs import gather_prompt_logprobs
 from roseinfer.worker.step_handle import StepHandle, sample_plain
 from roseinfer.worker.step_inputs import StepInputs, prepare_step
@@ -53,38 +60,55 @@ from roseinfer.worker.step_isolation import Failures, run_in_parts, spans, why, 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp_rank: int = 0, device: torch.device | None = None):
-        mc, cc = config.model_config, config.cache_config
+        """Load the model (this rank's shard of it) and set up the persistent batch. No KV cache yet: its size is
+        the engine core's to decide (`determine_num_kv_blocks`), then `initialize_kv_cache` allocates it."""
+        model_config, cache_config = config.model_config, config.cache_config
         self.config = config
-        self.device = device or mc.device
+        self.device = device or model_config.device
         self.tp_rank, self.tp_size = tp_rank, config.parallel_config.tensor_parallel_size
         self.is_driver = tp_rank == 0
-        self.model = load_model(
-            mc.model_dir, mc.hf_config, self.device, mc.dtype, tp_rank, self.tp_size, mc.linear_backend
-        )
-        self.backend = get_backend(mc.attention_backend, self.device)
-        self.block_size = cc.block_size
-        if cc.num_gpu_blocks is None:  # CUDA: what is left of the card's share once the weights are in
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(total * cc.gpu_memory_utilization - (total - free))
-            cc.num_gpu_blocks = max(1, budget // (mc.kv_bytes_per_token(self.tp_size) * cc.block_size))
-        hf, dtype = mc.hf_config, mc.dtype
-        self.kv_cache = KVCache(hf, cc.num_gpu_blocks, cc.block_size, dtype, self.device, tp_size=self.tp_size)
-        self.host_kv_cache = (KVCache(hf, cc.num_cpu_blocks, cc.block_size, dtype, self.device, host=True,
-                                      tp_size=self.tp_size) if cc.num_cpu_blocks else None)  # fmt: skip
+        self.model = load_model(model_config.model_dir, model_config.hf_config, self.device, model_config.dtype,
+                                tp_rank, self.tp_size, model_config.linear_backend)  # fmt: skip
+        self.backend = get_backend(model_config.attention_backend, self.device)
+        self.block_size = cache_config.block_size
         lookahead = config.scheduler_config.num_lookahead_tokens
-        max_blocks = -(-(mc.max_model_len + lookahead) // cc.block_size) + 1
-        self.input_batch = InputBatch(mc.max_model_len, max_blocks, cc.block_size, mc.vocab_size, self.device,
-                                      capacity=max(64, config.scheduler_config.max_num_seqs),
-                                      eos_token_ids=as_token_ids(mc.eos_token_ids), samples=self.is_driver)  # fmt: skip
-        self.failures = Failures(cc.block_size)  # requests that failed alone, until the scheduler frees them
+        max_blocks = -(-(model_config.max_model_len + lookahead) // self.block_size) + 1
+        self.input_batch = InputBatch(model_config.max_model_len, max_blocks, self.block_size, model_config.vocab_size,
+                                      self.device, capacity=max(64, config.scheduler_config.max_num_seqs),
+                                      eos_token_ids=as_token_ids(model_config.eos_token_ids),
+                                      samples=self.is_driver)  # fmt: skip
+        self.failures = Failures(self.block_size)  # requests that failed alone, until the scheduler frees them
         self.gather_buffer = GatherBuffer()  # scratch reused by every step (see roseinfer/attention/sdpa.py)
         self._cached_rows = np.zeros(0, dtype=np.int64)  # rows of the step's cached requests, in their order
+        self.kv_cache: KVCache | None = None  # from initialize_kv_cache on
+        self.host_kv_cache: KVCache | None = None
         self.proposer = None
+        self.cuda_graphs = None
+
+    # ---- the KV cache, sized once the weights are in -----------------------------------------
+    def determine_num_kv_blocks(self) -> int:
+        """The blocks of the KV pool: the number the config holds (num_blocks, or kv_cache_memory in blocks, or a
+        CPU's default); on CUDA without one, what is left of the card's share once the weights are in."""
+        model_config, cache_config = self.config.model_config, self.config.cache_config
+        if cache_config.num_gpu_blocks is not None:
+            return cache_config.num_gpu_blocks
+        block_bytes = model_config.kv_bytes_per_token(self.tp_size) * self.block_size
+        return num_blocks_that_fit(self.device, cache_config.gpu_memory_utilization, block_bytes)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV pool of `num_blocks` blocks (the engine core's final number; the same on every rank) and
+        the host pool for swapping, then what reads the pool: the draft model (its own pool of as many blocks) and,
+        on CUDA, the graphs of decode steps."""
+        config, cache_config = self.config, self.config.cache_config
+        hf, dtype = config.model_config.hf_config, config.model_config.dtype
+        self.kv_cache = KVCache(hf, num_blocks, self.block_size, dtype, self.device, tp_size=self.tp_size)
+        if cache_config.num_cpu_blocks:
+            self.host_kv_cache = KVCache(hf, cache_config.num_cpu_blocks, self.block_size, dtype, self.device,
+                                         host=True, tp_size=self.tp_size)  # fmt: skip
         if config.speculative_config is not None and self.is_driver:
             from roseinfer.spec_decode import make_proposer
 
             self.proposer = make_proposer(config, self)
-        self.cuda_graphs = None
         if (self.device.type == "cuda" and not config.enforce_eager and self.backend.name == "triton"
                 and self.tp_size == 1):  # fmt: skip
             from roseinfer.worker.cuda_graph import CUDAGraphRunner
