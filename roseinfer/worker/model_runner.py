@@ -29,7 +29,8 @@ of its chunks (roseinfer/sample/logprobs.py); they go back with its first sample
 
 A request the runner cannot set up (step 1) fails alone: it runs no part of this or any later step, and
 `ModelRunnerOutput.errors` tells the scheduler, which frees it. A step that raises is run again in halves
-until the requests that make it fail are found (roseinfer/worker/step_isolation.py); they fail alone too.
+until the requests that make it fail are found (roseinfer/worker/step_isolation.py, through `execute_part`); they
+fail alone too.
 
 The runner owns the model, the KV cache tensors (roseinfer/worker/kv_cache.py) and, on CUDA, the graphs of
 decode steps (roseinfer/worker/cuda_graph.py). With tensor parallelism every rank runs the same steps on
@@ -55,7 +56,7 @@ from roseinfer.worker.kv_cache import KVCache, num_blocks_that_fit, swap_blocks
 from roseinfer.worker.prompt_logprobs import gather_prompt_logprobs
 from roseinfer.worker.step_handle import StepHandle, sample_plain
 from roseinfer.worker.step_inputs import StepInputs, prepare_step
-from roseinfer.worker.step_isolation import Failures, run_in_parts, spans, why, without
+from roseinfer.worker.step_isolation import Failures, error_message, run_in_parts, spans, without
 
 
 class ModelRunner:
@@ -116,56 +117,65 @@ class ModelRunner:
             self.cuda_graphs = CUDAGraphRunner(self, max_batch_size=config.scheduler_config.max_num_seqs)
 
     # ---- one step ----------------------------------------------------------------------------
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; return every sampled token (None on a rank that does not sample)."""
-        return self.finish_step(self.launch_step(so))
+        return self.finish_step(self.launch_step(scheduler_output))
 
     @torch.inference_mode()
-    def launch_step(self, so: SchedulerOutput) -> StepHandle | ModelRunnerOutput | None:
+    def launch_step(self, scheduler_output: SchedulerOutput) -> StepHandle | ModelRunnerOutput | None:
         """Everything up to the sampled tokens. On CUDA the kernels are only queued: the tokens are on their way
         to pinned host memory when this returns, and `finish_step` waits for them (async scheduling schedules
         the next step in between). On a CPU the work is done by the time this returns."""
-        so, errors = self._update_states(so)
-        self.move_blocks(so)
+        scheduler_output, errors = self._update_states(scheduler_output)
+        self.move_blocks(scheduler_output)
         try:
-            result = self._launch(so) if so.total_num_scheduled_tokens else EMPTY_MODEL_RUNNER_OUTPUT
+            result = EMPTY_MODEL_RUNNER_OUTPUT  # nothing to compute: a step of block moves, or of finished requests
+            if scheduler_output.total_num_scheduled_tokens:
+                result = self._launch(scheduler_output)
         except Exception as e:
             if self.tp_size > 1:
                 raise  # every rank must run the same forwards: no retries on one of them
-            result = run_in_parts(self, so, e)
+            result = run_in_parts(self, scheduler_output, e)
         if errors and self.is_driver:  # the requests that failed alone, for the scheduler to free
             if result is EMPTY_MODEL_RUNNER_OUTPUT:
                 result = ModelRunnerOutput()
             (result.out if isinstance(result, StepHandle) else result).errors.update(errors)
         return result
 
-    def _launch(self, so: SchedulerOutput) -> StepHandle | ModelRunnerOutput | None:
-        ib = self.input_batch
-        ids = list(so.num_scheduled_tokens)
-        counts = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(ids))
-        rows = self._cached_rows if ids == so.scheduled_cached_reqs.req_ids else ib.rows(ids)
+    @torch.inference_mode()
+    def execute_part(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run a part of a step whose batch updates are done (`without(step, others)`: step isolation runs a
+        failed step again this way, in halves): its forward, its sampling, its tokens into the batch."""
+        self._cached_rows = self.input_batch.rows(scheduler_output.scheduled_cached_reqs.req_ids)
+        return self.finish_step(self._launch(scheduler_output))
+
+    def _launch(self, scheduler_output: SchedulerOutput) -> StepHandle | ModelRunnerOutput | None:
+        input_batch = self.input_batch
+        ids = list(scheduler_output.num_scheduled_tokens)
+        counts = np.fromiter(scheduler_output.num_scheduled_tokens.values(), dtype=np.int64, count=len(ids))
+        only_cached = ids == scheduler_output.scheduled_cached_reqs.req_ids  # (most decode steps): rows known already
+        rows = self._cached_rows if only_cached else input_batch.rows(ids)
         drafts = None
-        if so.scheduled_spec_decode_tokens:  # the drafts go after the request's tokens, where they would be
+        if scheduler_output.scheduled_spec_decode_tokens:  # drafts go after the request's tokens, where they would be
             drafts = {}
-            for rid, d in so.scheduled_spec_decode_tokens.items():
-                row = ib.req_id_to_row[rid]
-                n = int(ib.num_tokens[row])
-                ib.token_ids[row, n : n + len(d)] = d
-                drafts[rid] = len(d)
-        step = prepare_step(
-            ib, ids, rows, ib.num_computed_tokens[rows], counts, self.backend, self.gather_buffer, self.to_device
-        )
+            for rid, draft in scheduler_output.scheduled_spec_decode_tokens.items():
+                row = input_batch.req_id_to_row[rid]
+                n = int(input_batch.num_tokens[row])
+                input_batch.token_ids[row, n : n + len(draft)] = draft
+                drafts[rid] = len(draft)
+        step = prepare_step(input_batch, ids, rows, input_batch.num_computed_tokens[rows], counts, self.backend,
+                            self.gather_buffer, self.to_device)  # fmt: skip
         hidden = self._forward(step)
         if not self.is_driver:
             return None
-        if ib.num_prompt_logprob_rows:
-            gather_prompt_logprobs(ib, step, hidden, self.model.compute_logits, self.to_device)
+        if input_batch.num_prompt_logprob_rows:
+            gather_prompt_logprobs(input_batch, step, hidden, self.model.compute_logits, self.to_device)
         num_drafts = np.zeros(len(step.rows), dtype=np.int64)
         if drafts:
             num_drafts[:] = [drafts.get(r, 0) for r in step.req_ids]
-        ends = step.seq_lens == ib.num_tokens[step.rows] + num_drafts  # reaches the end of its sequence
+        ends = step.seq_lens == input_batch.num_tokens[step.rows] + num_drafts  # reaches the end of its sequence
         pos = np.flatnonzero(ends)  # the requests that get tokens, in batch order
-        forks = [f for f in so.forks if f.sample_now]
+        forks = [fork for fork in scheduler_output.forks if fork.sample_now]
         if not len(pos) and not forks:
             return EMPTY_MODEL_RUNNER_OUTPUT  # prompt chunks only: the cache is filled, nothing to sample
         nrows = num_drafts[pos] + 1  # logits rows per request: 1, or k + 1 when verifying
@@ -177,19 +187,19 @@ class ModelRunner:
         sample_rows = step.rows if every else step.rows[pos]
         if forks:  # n > 1: each child samples from its parent's last row, with its own random stream
             at = {r: i for i, r in enumerate(req_ids)}
-            lrow = np.cumsum(nrows) - 1
-            for f in forks:
-                logits_rows = np.append(logits_rows, logits_rows[lrow[at[f.parent_id]]])
-                req_ids.append(f.child_id)
-                sample_rows = np.append(sample_rows, ib.req_id_to_row[f.child_id])
+            last_logits_row = np.cumsum(nrows) - 1
+            for fork in forks:
+                logits_rows = np.append(logits_rows, logits_rows[last_logits_row[at[fork.parent_id]]])
+                req_ids.append(fork.child_id)
+                sample_rows = np.append(sample_rows, input_batch.req_id_to_row[fork.child_id])
             nrows = np.append(nrows, np.ones(len(forks), dtype=np.int64))
         logits = self.model.compute_logits(hidden[self.to_device(logits_rows)])  # [rows, V]
-        handle = self._sample(logits, req_ids, sample_rows, nrows, so)
-        if ib.prompt_logprobs_ready:  # prompts whose log-probabilities are all in: they go with the first token
+        handle = self._sample(logits, req_ids, sample_rows, nrows, scheduler_output)
+        if input_batch.prompt_logprobs_ready:  # prompts whose log-probabilities are all in go with the first token
             sampled = set(req_ids)
-            for rid in [r for r in ib.prompt_logprobs_ready if r in sampled]:
-                ib.prompt_logprobs_ready.discard(rid)
-                state = ib.requests[rid]
+            for rid in [r for r in input_batch.prompt_logprobs_ready if r in sampled]:
+                input_batch.prompt_logprobs_ready.discard(rid)
+                state = input_batch.requests[rid]
                 handle.out.prompt_logprobs[rid], state.prompt_logprobs = state.prompt_logprobs, None
         return handle
 
@@ -225,11 +235,11 @@ class ModelRunner:
         return self.model.forward_paged(step.input_ids, step.positions, self.kv_cache.layers, step.attn_metadata)
 
     def _sample(self, logits: torch.Tensor, req_ids: list[str], rows: np.ndarray, nrows: np.ndarray,
-                so: SchedulerOutput) -> StepHandle:  # fmt: skip
+                scheduler_output: SchedulerOutput) -> StepHandle:  # fmt: skip
         """Turn the logits into tokens: the plain rows in one call of the sampler (their tokens come back through
         `finish_step`), verifying requests through the rejection sampler, beams into their top tokens."""
-        ib = self.input_batch
-        beam = ib.beam_topk[rows] > 0
+        input_batch = self.input_batch
+        beam = input_batch.beam_topk[rows] > 0
         spec = nrows > 1
         plain = np.flatnonzero(~beam & ~spec)
         all_plain = len(plain) == len(req_ids)
@@ -239,118 +249,119 @@ class ModelRunner:
         tokens = None
         if len(plain):  # all in one call of the sampler
             plain_logits = logits if all_plain else logits[self.to_device(last_row[plain])]
-            tokens = sample_plain(ib, plain_logits, handle.rows, handle, self.to_device)
-        verified = self._verify(logits, req_ids, rows, nrows, np.flatnonzero(spec), so, out) if spec.any() else ()
+            tokens = sample_plain(input_batch, plain_logits, handle.rows, handle, self.to_device)
+        verified = []
+        if spec.any():
+            verified = self._verify(logits, req_ids, rows, nrows, np.flatnonzero(spec), scheduler_output, out)
         for i in np.flatnonzero(beam).tolist():  # a beam: its best next tokens, for the beam search
-            state = ib.requests[req_ids[i]]
-            lp = torch.log_softmax(logits[int(last_row[i])].float(), dim=-1)  # [V]
-            top = torch.topk(lp, min(state.beam_topk, lp.shape[0]))
+            state = input_batch.requests[req_ids[i]]
+            logprobs = torch.log_softmax(logits[int(last_row[i])].float(), dim=-1)  # [V]
+            top = torch.topk(logprobs, min(state.beam_topk, logprobs.shape[0]))
             out.beam_logprobs[req_ids[i]] = (top.indices.tolist(), top.values.tolist())
         # the step's writes into the batch come last: a step that raised before them can run again
-        if tokens is not None and ib.output_counts is not None:  # penalties in the batch: count what was sampled
-            ib.count_sampled(self.to_device(handle.rows), tokens)
-        for i, toks in verified:
-            ib.requests[req_ids[i]].spec_draft_probs = None  # used: the next drafts bring their own
-            ib.append_tokens(int(rows[i]), toks)
+        if tokens is not None and input_batch.output_counts is not None:  # penalties: count what was sampled
+            input_batch.count_sampled(self.to_device(handle.rows), tokens)
+        for i, verified_tokens in verified:
+            input_batch.requests[req_ids[i]].spec_draft_probs = None  # used: the next drafts bring their own
+            input_batch.append_tokens(int(rows[i]), verified_tokens)
         return handle
 
     def _verify(self, logits: torch.Tensor, req_ids: list[str], rows: np.ndarray, nrows: np.ndarray,
-                idx: np.ndarray, so: SchedulerOutput, out: ModelRunnerOutput) -> list:  # fmt: skip
+                idx: np.ndarray, scheduler_output: SchedulerOutput, out: ModelRunnerOutput) -> list:  # fmt: skip
         """Requests that verify drafts: their k + 1 rows each go to the rejection sampler. Returns (index, tokens) of
         each, for `_sample` to write into the batch."""
-        ib = self.input_batch
         starts = np.cumsum(nrows) - nrows
-        sel = np.concatenate([np.arange(starts[i], starts[i] + nrows[i]) for i in idx])
+        selected = np.concatenate([np.arange(starts[i], starts[i] + nrows[i]) for i in idx])
         ids = [req_ids[i] for i in idx]
-        drafts = [so.scheduled_spec_decode_tokens[r] for r in ids]
-        qs = [ib.requests[r].spec_draft_probs for r in ids]
+        drafts = [scheduler_output.scheduled_spec_decode_tokens[r] for r in ids]
+        qs = [self.input_batch.requests[r].spec_draft_probs for r in ids]
         probs = [None if q is None else q[: len(d)] for q, d in zip(qs, drafts, strict=True)]
-        t = ib.sampling_tensors(rows[idx], logits.device)
-        verified = list(zip(idx.tolist(), rejection_sample(logits[self.to_device(sel)], drafts, probs, t), strict=True))
+        sampling = self.input_batch.sampling_tensors(rows[idx], logits.device)
+        accepted = rejection_sample(logits[self.to_device(selected)], drafts, probs, sampling)
+        verified = list(zip(idx.tolist(), accepted, strict=True))
         for i, tokens in verified:
             out.sampled_token_ids[i] = tokens
         return verified
 
     # ---- the persistent batch ----------------------------------------------------------------
-    def _update_states(self, so: SchedulerOutput) -> tuple[SchedulerOutput, dict[str, str]]:
+    def _update_states(self, scheduler_output: SchedulerOutput) -> tuple[SchedulerOutput, dict[str, str]]:
         """Apply the step's diffs: drop finished requests, add new ones and forks, update the rest. A request (or
         fork) that cannot be set up fails alone: the step goes on without it. Returns the step as it runs (without
-        the failed requests) and the new failures, request id -> why."""
-        ib, failures = self.input_batch, self.failures
-        for rid in so.finished_req_ids:
-            ib.remove_request(rid)
+        the failed requests) and the new failures, request id -> error message."""
+        input_batch, failures = self.input_batch, self.failures
+        for rid in scheduler_output.finished_req_ids:
+            input_batch.remove_request(rid)
             failures.release(rid)
             if self.proposer is not None:
                 self.proposer.free(rid)
         if failures:  # failed in an earlier step, not freed yet (async scheduling booked them again)
-            so = without(so, failures.blocks)
+            scheduler_output = without(scheduler_output, failures.blocks)
         errors: dict[str, str] = {}
-        for new in so.scheduled_new_reqs:
+        for new in scheduler_output.scheduled_new_reqs:
             try:
-                gen = self._generator(new.sampling_params, 0)
-                ib.add_request(new.req_id, new.prompt_token_ids, new.sampling_params, new.block_ids,
-                               new.num_computed_tokens, gen)  # fmt: skip
+                generator = self._generator(new.sampling_params, 0)
+                input_batch.add_request(new.req_id, new.prompt_token_ids, new.sampling_params, new.block_ids,
+                                        new.num_computed_tokens, generator)  # fmt: skip
             except Exception as e:
-                errors[new.req_id] = why(new.req_id, e)
-        for f in so.forks:
-            if f.parent_id in errors:
-                errors[f.child_id] = errors[f.parent_id]
+                errors[new.req_id] = error_message(new.req_id, e)
+        for fork in scheduler_output.forks:
+            if fork.parent_id in errors:
+                errors[fork.child_id] = errors[fork.parent_id]
                 continue
             try:
-                params = ib.requests[f.parent_id].params
-                ib.fork(f.parent_id, f.child_id, f.block_ids, self._generator(params, f.index))
+                params = input_batch.requests[fork.parent_id].params
+                input_batch.fork(fork.parent_id, fork.child_id, fork.block_ids, self._generator(params, fork.index))
             except Exception as e:
-                errors[f.child_id] = why(f.child_id, e)
+                errors[fork.child_id] = error_message(fork.child_id, e)
         if errors:
-            failures.add(errors, spans(so, ib))
-            so = without(so, failures.blocks)
-        c = so.scheduled_cached_reqs
-        self._cached_rows = rows = ib.rows(c.req_ids)
-        if c.req_ids:
-            self._update_cached(c, rows)
-        while failures and (readers := failures.readers(spans(so, ib))):  # they read K/V that were never written
+            failures.add(errors, spans(scheduler_output, input_batch))
+            scheduler_output = without(scheduler_output, failures.blocks)
+        cached_reqs = scheduler_output.scheduled_cached_reqs
+        self._cached_rows = rows = input_batch.rows(cached_reqs.req_ids)
+        if cached_reqs.req_ids:
+            self._update_cached(cached_reqs, rows)
+        while failures and (readers := failures.readers(spans(scheduler_output, input_batch))):  # unwritten K/V
             for rid, culprit in readers.items():
                 errors[rid] = f"request {rid!r} failed: it reads K/V blocks that request {culprit!r} failed to write"
-            failures.add(readers, spans(so, ib))
-            so = without(so, failures.blocks)
-            self._cached_rows = ib.rows(so.scheduled_cached_reqs.req_ids)
-        return so, errors
+            failures.add(readers, spans(scheduler_output, input_batch))
+            scheduler_output = without(scheduler_output, failures.blocks)
+            self._cached_rows = input_batch.rows(scheduler_output.scheduled_cached_reqs.req_ids)
+        return scheduler_output, errors
 
-    def _update_cached(self, c, rows: np.ndarray) -> None:
+    def _update_cached(self, cached_reqs, rows: np.ndarray) -> None:
         """The requests the runner holds: num_computed_tokens, block-table tails, tokens chosen elsewhere."""
-        ib = self.input_batch
-        ib.num_computed_tokens[rows] = c.num_computed_tokens
-        bs = self.block_size
-        for i, update in enumerate(c.new_block_ids):
+        input_batch = self.input_batch
+        input_batch.num_computed_tokens[rows] = cached_reqs.num_computed_tokens
+        for i, update in enumerate(cached_reqs.new_block_ids):
             if update is not None:
                 row = int(rows[i])
-                ib.block_table.replace_from(row, *update)
-                if self.proposer is not None:
-                    self.proposer.invalidate(c.req_ids[i], update[0] * bs)  # a draft's K/V past the change are gone
-        for i, tokens in enumerate(c.new_token_ids):
+                input_batch.block_table.replace_from(row, *update)
+                if self.proposer is not None:  # a draft's K/V past the change are gone
+                    self.proposer.invalidate(cached_reqs.req_ids[i], update[0] * self.block_size)
+        for i, tokens in enumerate(cached_reqs.new_token_ids):
             if tokens:  # chosen by the beam search, not by our sampler
-                ib.append_tokens(int(rows[i]), tokens)
+                input_batch.append_tokens(int(rows[i]), tokens)
 
     def apply_sampled(self, out: ModelRunnerOutput | None) -> None:
         """A rank that does not sample learns the driver's tokens of the previous step (tensor parallelism)."""
         if out is None:
             return
-        ib = self.input_batch
+        input_batch = self.input_batch
         for rid, tokens in zip(out.req_ids, out.sampled_token_ids, strict=True):
-            if tokens and rid in ib.req_id_to_row:
-                ib.append_tokens(ib.req_id_to_row[rid], tokens)
+            if tokens and rid in input_batch.req_id_to_row:
+                input_batch.append_tokens(input_batch.req_id_to_row[rid], tokens)
 
     def _generator(self, params, index: int) -> torch.Generator | None:
         return params.make_generator(self.device, index) if isinstance(params, SamplingParams) else None
 
-    def move_blocks(self, so: SchedulerOutput) -> None:
+    def move_blocks(self, scheduler_output: SchedulerOutput) -> None:
         """The block copies a step asks for, in every layer, before anything writes (see SchedulerOutput)."""
-        if so.blocks_to_swap_out:  # even in a step that runs nothing, before the blocks are reused
-            swap_blocks(self.kv_cache.layers, self.host_kv_cache.layers, so.blocks_to_swap_out)
-        if so.blocks_to_swap_in:
-            swap_blocks(self.host_kv_cache.layers, self.kv_cache.layers, so.blocks_to_swap_in)
-        if so.blocks_to_copy:  # copy-on-write
-            copies = torch.tensor(so.blocks_to_copy, dtype=torch.long, device=self.device)  # [P, 2]
+        if scheduler_output.blocks_to_swap_out:  # even in a step that runs nothing, before the blocks are reused
+            swap_blocks(self.kv_cache.layers, self.host_kv_cache.layers, scheduler_output.blocks_to_swap_out)
+        if scheduler_output.blocks_to_swap_in:
+            swap_blocks(self.host_kv_cache.layers, self.kv_cache.layers, scheduler_output.blocks_to_swap_in)
+        if scheduler_output.blocks_to_copy:  # copy-on-write
+            copies = torch.tensor(scheduler_output.blocks_to_copy, dtype=torch.long, device=self.device)  # [P, 2]
             self.backend.copy_blocks(self.kv_cache.layers, copies)
 
     def to_device(self, a: np.ndarray) -> torch.Tensor:

@@ -95,9 +95,9 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
         _send_quietly(conn, ("error", traceback.format_exc()))
         raise
     while command is not None and (command := _next_command(conn)) is not None:  # a step is coming
-        so, last = broadcast(None, group)
+        scheduler_output, last = broadcast(None, group)
         runner.apply_sampled(last)  # rank 0's tokens of the previous step
-        runner.execute_model(so)  # this rank's share of the forward; rank 0 computes the logits
+        runner.execute_model(scheduler_output)  # this rank's share of the forward; rank 0 computes the logits
     dist.destroy_process_group()
 
 
@@ -213,7 +213,7 @@ class TensorParallelRunner(ModelRunner):
     def close(self) -> None:
         self._finalizer()  # runs Workers.shutdown once
 
-    def launch_step(self, so: SchedulerOutput):
+    def launch_step(self, scheduler_output: SchedulerOutput):
         """Wake every worker, broadcast the step's message (and the tokens of the step before, which the workers
         have not seen), then run rank 0's share of it."""
         if self.failed is not None:
@@ -226,11 +226,11 @@ class TensorParallelRunner(ModelRunner):
                 raise RuntimeError("a worker is gone")
             for conn in self.workers.conns:
                 conn.send_bytes(b"step")
-            broadcast((so, last), self.group)
+            broadcast((scheduler_output, last), self.group)
         except (RuntimeError, OSError) as e:
             raise self._fail(e) from e
         try:
-            return super().launch_step(so)  # the forward: every rank runs it, with its all-reduces
+            return super().launch_step(scheduler_output)  # the forward: every rank runs it, with its all-reduces
         except RuntimeError as e:
             raise self._fail(e) from e
 
@@ -243,8 +243,8 @@ class TensorParallelRunner(ModelRunner):
         for proc in self.workers.procs:  # a killed worker's socket closes a moment before it can be reaped
             proc.join(timeout=0.5)
         dead = self.workers.dead()
-        why = f"worker {'; '.join(dead)}" if dead else f"the step failed ({type(e).__name__}: {e})"
-        self.failed = RuntimeError(f"tensor-parallel step failed on rank 0: {why}. Every worker has been "
+        cause = f"worker {'; '.join(dead)}" if dead else f"the step failed ({type(e).__name__}: {e})"
+        self.failed = RuntimeError(f"tensor-parallel step failed on rank 0: {cause}. Every worker has been "
                                    "stopped; this engine cannot run any more steps (create a new one)")  # fmt: skip
         self.close()
         return self.failed
