@@ -22,7 +22,8 @@ Built in the engine core's order (roseinfer/engine/core.py), as vLLM's EngineCor
                                                          the rejection sampler; a beam returns its top
                                                          2·beam_width tokens instead of a sample; the
                                                          log-probabilities asked for, from the raw logits
-      7. write the sampled tokens into the batch, propose drafts for the next step (speculative decoding)
+      7. write the sampled tokens into the batch, propose drafts for the next step (speculative decoding:
+         `propose_draft_token_ids`; the runner keeps the draft model's probabilities until it verifies)
 
 A request whose prompt log-probabilities are wanted also gets the LM head on every prompt position of each
 of its chunks (roseinfer/sample/logprobs.py); they go back with its first sampled token.
@@ -81,6 +82,7 @@ class ModelRunner:
         self.failures = Failures(self.block_size)  # requests that failed alone, until the scheduler frees them
         self.gather_buffer = GatherBuffer()  # scratch reused by every step (see roseinfer/attention/sdpa.py)
         self._cached_rows = np.zeros(0, dtype=np.int64)  # rows of the step's cached requests, in their order
+        self._draft_probs: dict[str, torch.Tensor] = {}  # request id -> the draft model's q of its drafts [k, V]
         self.kv_cache: KVCache | None = None  # from initialize_kv_cache on
         self.host_kv_cache: KVCache | None = None
         self.proposer = None
@@ -225,8 +227,20 @@ class ModelRunner:
             for i, lp in zip(want.tolist(), lists, strict=True):
                 out.logprobs[out.req_ids[handle.plain[i]]] = lp
         if self.proposer is not None:
-            out.spec_token_ids = self.proposer.propose(self, out)
+            out.spec_token_ids = self.propose_draft_token_ids(out)
         return out
+
+    def propose_draft_token_ids(self, out: ModelRunnerOutput) -> dict[str, list[int]]:
+        """The proposer's drafts for the next step of the requests of `out` (request id -> at most k tokens). The
+        draft model's probabilities q of sampled drafts stay here, for the rejection sampler to verify them with."""
+        proposal = self.proposer.propose(self, out)
+        for rid in proposal.token_ids:
+            q = proposal.probs.get(rid) if proposal.probs else None
+            if q is None:
+                self._draft_probs.pop(rid, None)
+            else:
+                self._draft_probs[rid] = q  # [k, V]
+        return proposal.token_ids
 
     def _forward(self, step: StepInputs) -> torch.Tensor:
         """hidden states [N, C] of every new token; on CUDA a decode step replays a captured graph."""
@@ -262,19 +276,20 @@ class ModelRunner:
         if tokens is not None and input_batch.output_counts is not None:  # penalties: count what was sampled
             input_batch.count_sampled(self.to_device(handle.rows), tokens)
         for i, verified_tokens in verified:
-            input_batch.requests[req_ids[i]].spec_draft_probs = None  # used: the next drafts bring their own
+            self._draft_probs.pop(req_ids[i], None)  # used: the next drafts bring their own
             input_batch.append_tokens(int(rows[i]), verified_tokens)
         return handle
 
     def _verify(self, logits: torch.Tensor, req_ids: list[str], rows: np.ndarray, nrows: np.ndarray,
                 idx: np.ndarray, scheduler_output: SchedulerOutput, out: ModelRunnerOutput) -> list:  # fmt: skip
-        """Requests that verify drafts: their k + 1 rows each go to the rejection sampler. Returns (index, tokens) of
-        each, for `_sample` to write into the batch."""
+        """Requests that verify drafts: their k + 1 rows each go to the rejection sampler, with the draft model's
+        q of their drafts (kept since `propose_draft_token_ids`). Returns (index, tokens) of each, for `_sample` to
+        write into the batch."""
         starts = np.cumsum(nrows) - nrows
         selected = np.concatenate([np.arange(starts[i], starts[i] + nrows[i]) for i in idx])
         ids = [req_ids[i] for i in idx]
         drafts = [scheduler_output.scheduled_spec_decode_tokens[r] for r in ids]
-        qs = [self.input_batch.requests[r].spec_draft_probs for r in ids]
+        qs = [self._draft_probs.get(r) for r in ids]
         probs = [None if q is None else q[: len(d)] for q, d in zip(qs, drafts, strict=True)]
         sampling = self.input_batch.sampling_tensors(rows[idx], logits.device)
         accepted = rejection_sample(logits[self.to_device(selected)], drafts, probs, sampling)
@@ -292,6 +307,7 @@ class ModelRunner:
         for rid in scheduler_output.finished_req_ids:
             input_batch.remove_request(rid)
             failures.release(rid)
+            self._draft_probs.pop(rid, None)
             if self.proposer is not None:
                 self.proposer.free(rid)
         if failures:  # failed in an earlier step, not freed yet (async scheduling booked them again)
