@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -127,7 +127,7 @@ class ModelConfig:
 @dataclass
 class CacheConfig:
     block_size: int
-    num_gpu_blocks: int | None  # the device pool; None until the worker has sized it (CUDA, no num_blocks)
+    num_gpu_blocks: int | None  # the device pool; None until the runner has measured it (CUDA, no num_blocks)
     kv_cache_memory: int | None
     gpu_memory_utilization: float
     enable_prefix_caching: bool
@@ -160,6 +160,12 @@ class EngineConfig:
     parallel_config: ParallelConfig
     speculative_config: SpeculativeConfig | None = None
     enforce_eager: bool = False  # CUDA: never capture CUDA graphs
+
+    def with_num_gpu_blocks(self, num_blocks: int) -> EngineConfig:
+        """The final config, once the model runner has decided the KV pool's blocks: a copy that holds them (this
+        config is not changed). The engine core builds the KV cache manager and the scheduler from it."""
+        check_int("num_gpu_blocks", num_blocks)
+        return replace(self, cache_config=replace(self.cache_config, num_gpu_blocks=num_blocks))
 
 
 def _arg(default, help: str, **cli):

@@ -26,16 +26,20 @@ from roseinfer.engine.beam_search import BeamSearchCoordinator
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
-        self.config = config
+        """Build the engine in vLLM's order: the model, then the KV cache it leaves room for, then the scheduler
+        from the final config (which holds the pool's blocks)."""
         if config.parallel_config.tensor_parallel_size > 1:
             from roseinfer.worker.tp_worker import TensorParallelRunner
 
-            self.model_runner = TensorParallelRunner(config)
+            self.model_runner = TensorParallelRunner(config)  # the model: every rank loads its shard
         else:
             from roseinfer.worker.model_runner import ModelRunner
 
-            self.model_runner = ModelRunner(config)
-        cc = config.cache_config  # num_gpu_blocks is known now: the runner has sized the pool
+            self.model_runner = ModelRunner(config)  # the model
+        num_blocks = self.model_runner.determine_num_kv_blocks()  # the pool asked for, or what the weights left
+        self.config = config = config.with_num_gpu_blocks(num_blocks)  # final: nothing changes it from here on
+        self.model_runner.initialize_kv_cache(num_blocks)
+        cc = config.cache_config
         self.kv_cache_manager = KVCacheManager(cc.block_size, cc.num_gpu_blocks, cc.enable_prefix_caching,
                                                cc.num_cpu_blocks, cc.watermark)  # fmt: skip
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)

@@ -16,7 +16,9 @@ k tokens of every request that decodes alone and plainly (not n > 1, not a beam,
 min_tokens or min_p, no logprobs: `SamplingParams.may_speculate`; the others run one token per step in the
 same batch) from the runner's own token rows, and
 the guesses travel back to the scheduler in `ModelRunnerOutput.spec_token_ids`; the scheduler books them
-with the request's next step. Two proposers share one interface (`Proposer`):
+with the request's next step. A proposer reads the runner's rows and writes none: it returns a `DraftProposal`,
+and the runner (`propose_draft_token_ids`) keeps the draft model's probabilities until it verifies the drafts.
+Two proposers share one interface (`Proposer`):
 
     ngram          prompt lookup: find the request's last n tokens earlier in its own prompt + output,
                    propose what followed them there (no model at all)            `ngram.py`
@@ -26,19 +28,30 @@ with the request's next step. Two proposers share one interface (`Proposer`):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from roseinfer.config import EngineConfig
 
 if TYPE_CHECKING:
+    import torch
+
     from roseinfer.core.sched.output import ModelRunnerOutput
     from roseinfer.worker.model_runner import ModelRunner
 
 
+@dataclass
+class DraftProposal:
+    """What a proposer guessed for the next step."""
+
+    token_ids: dict[str, list[int]]  # request id -> at most k drafts
+    probs: dict[str, torch.Tensor] | None = None  # request id -> q of each draft [k, V] (drafts that were sampled)
+
+
 class Proposer(Protocol):
-    def propose(self, runner: ModelRunner, out: ModelRunnerOutput) -> dict[str, list[int]]:
-        """Drafts for the next step of every request of `out` that may speculate: request id -> at most k tokens.
-        A proposer that samples its guesses also leaves their distributions q in the runner's request state."""
+    def propose(self, runner: ModelRunner, out: ModelRunnerOutput) -> DraftProposal:
+        """Drafts for the next step of every request of `out` that may speculate, read from the runner's rows. A
+        proposer that samples its guesses also returns their distributions q (the rejection sampler needs them)."""
 
     def free(self, req_id: str) -> None:
         """The request finished: forget what is kept for it."""
@@ -51,15 +64,15 @@ def speculating_rows(runner: ModelRunner, out: ModelRunnerOutput, k: int) -> lis
     """(request id, row, drafts worth proposing) for the requests of this step that may speculate (n = 1, not a
     beam, no logits processor or logprobs), and with room to grow. A step yields up to drafts + 1 tokens, so
     never more drafts than the request may still generate (max_tokens) or the context can hold, minus one."""
-    ib = runner.input_batch
+    input_batch = runner.input_batch
     found = []
     for rid, tokens in zip(out.req_ids, out.sampled_token_ids, strict=True):
-        state = ib.requests.get(rid)
+        state = input_batch.requests.get(rid)
         if not tokens or state is None or not state.params.may_speculate:
             continue
         row = state.row
-        n = int(ib.num_tokens[row])
-        left = min(int(ib.max_tokens[row]) - (n - state.num_prompt_tokens), ib.max_model_len - n)
+        n = int(input_batch.num_tokens[row])
+        left = min(int(input_batch.max_tokens[row]) - (n - state.num_prompt_tokens), input_batch.max_model_len - n)
         m = max(0, min(k, left - 1))
         if m:
             found.append((rid, row, m))

@@ -18,21 +18,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from roseinfer.spec_decode import speculating_rows
+from roseinfer.spec_decode import DraftProposal, speculating_rows
 
 
 class NgramProposer:
     def __init__(self, k: int, prompt_lookup_min: int = 1, prompt_lookup_max: int = 5):
         self.k, self.min_n, self.max_n = k, prompt_lookup_min, prompt_lookup_max
 
-    def propose(self, runner, out) -> dict[str, list[int]]:
-        ib = runner.input_batch
+    def propose(self, runner, out) -> DraftProposal:
+        input_batch = runner.input_batch
         drafts = {}
         for rid, row, k in speculating_rows(runner, out, self.k):
-            guess = self.lookup(ib.token_ids[row, : ib.num_tokens[row]], k)
+            guess = self.lookup(input_batch.token_ids[row, : input_batch.num_tokens[row]], k)
             if guess:
                 drafts[rid] = guess
-        return drafts
+        return DraftProposal(drafts)  # guessed, not sampled: no q
 
     def free(self, req_id: str) -> None:
         pass  # nothing is kept between steps

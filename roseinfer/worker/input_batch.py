@@ -49,7 +49,6 @@ class CachedRequestState:
     num_prompt_tokens: int
     generator: torch.Generator | None  # its own random stream (seeded requests only)
     beam_topk: int = 0  # a beam: return its 2·beam_width most likely next tokens instead of sampling
-    spec_draft_probs: torch.Tensor | None = None  # the draft model's q for the drafts it proposed [k, V]
     bias_ids: np.ndarray | None = None  # logit_bias: token ids [B] and their biases [B]
     bias_values: np.ndarray | None = None
     stop_ids: np.ndarray | None = None  # min_tokens: the ids masked until min_tokens are out (EOS, stop_token_ids)

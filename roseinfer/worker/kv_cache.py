@@ -14,7 +14,8 @@ layers: the block manager hands out ids, every layer's pool uses the same ones.
 
 The model runner owns these tensors; nobody else holds them. A second pool of the same layout lives in
 host memory (`host=True`), for sequences that are swapped out, and `swap_blocks` copies whole blocks
-between the two.
+between the two. How many blocks the pool holds is decided before it is allocated: the number configured, or
+on CUDA by default what is left of the card's share once the weights are in (`num_blocks_that_fit`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ def bytes_per_block(config: ModelConfigType, block_size: int, dtype: torch.dtype
     rank of `tp_size`, which holds Hkv / tp_size of the K/V heads: 1 / tp_size of that)."""
     per_token = config.num_hidden_layers * config.num_key_value_heads * config.head_dim
     return 2 * per_token * block_size * dtype.itemsize // tp_size
+
+
+def num_blocks_that_fit(device: torch.device, gpu_memory_utilization: float, block_bytes: int) -> int:
+    """The blocks of `block_bytes` that fit in what is left of the CUDA device's share (gpu_memory_utilization of
+    it) once what is there already (the weights) is counted; at least one."""
+    free, total = torch.cuda.mem_get_info(device)
+    budget = int(total * gpu_memory_utilization - (total - free))
+    return max(1, budget // block_bytes)
 
 
 class KVCache:

@@ -30,37 +30,37 @@ from roseinfer.worker.step_inputs import StepInputs
 PROMPT_LOGITS_ROWS = 256  # prompt positions per LM-head call
 
 
-def gather_prompt_logprobs(ib: InputBatch, step: StepInputs, hidden: torch.Tensor,
+def gather_prompt_logprobs(input_batch: InputBatch, step: StepInputs, hidden: torch.Tensor,
                            compute_logits: Callable[[torch.Tensor], torch.Tensor],
                            to_device: Callable[[np.ndarray], torch.Tensor]) -> None:  # fmt: skip
     """The prompt log-probabilities of this step's chunks (hidden [N, C]); a request whose positions are all in
-    waits in `ib.prompt_logprobs_ready` for the step that samples its first token."""
-    hrows, targets, parts, lengths, done = [], [], [], [], []
-    for i in np.flatnonzero(ib.num_prompt_logprobs[step.rows] >= 0).tolist():
+    waits in `input_batch.prompt_logprobs_ready` for the step that samples its first token."""
+    hidden_rows, targets, parts, lengths, done = [], [], [], [], []
+    for i in np.flatnonzero(input_batch.num_prompt_logprobs[step.rows] >= 0).tolist():
         row = int(step.rows[i])
-        state = ib.row_state[row]
+        state = input_batch.row_state[row]
         start, end = int(step.seq_lens[i] - step.counts[i]), int(step.seq_lens[i])
         lo, hi = max(start, state.prompt_logprobs_next), min(end, state.num_prompt_tokens - 1)
         if hi > lo:
             p = np.arange(lo, hi)
-            hrows.append(step.query_start_loc[i] + p - start)  # [hi - lo] rows of this step's hidden states
-            targets.append(ib.token_ids[row, p + 1])
+            hidden_rows.append(step.query_start_loc[i] + p - start)  # [hi - lo] rows of this step's hidden states
+            targets.append(input_batch.token_ids[row, p + 1])
             parts.append((state, hi))
             lengths.append(hi - lo)
         if (hi if hi > lo else state.prompt_logprobs_next) >= state.num_prompt_tokens - 1:
             done.append(state)
     if parts:
-        nums = [int(ib.num_prompt_logprobs[s.row]) for s, _ in parts]
-        hrows, targets = np.concatenate(hrows), torch.from_numpy(np.concatenate(targets))
+        nums = [int(input_batch.num_prompt_logprobs[s.row]) for s, _ in parts]
+        hidden_rows, targets = np.concatenate(hidden_rows), torch.from_numpy(np.concatenate(targets))
         pieces, n = [], PROMPT_LOGITS_ROWS
-        for a in range(0, len(hrows), n):
-            logits = compute_logits(hidden[to_device(hrows[a : a + n])])  # [<= n, V]
+        for a in range(0, len(hidden_rows), n):
+            logits = compute_logits(hidden[to_device(hidden_rows[a : a + n])])  # [<= n, V]
             pieces.append([x.cpu() for x in compute_logprobs(logits, targets[a : a + n], max(nums))])
         ids, lps, ranks = (torch.cat(x) for x in zip(*pieces, strict=True))
         for (state, hi), lists in zip(parts, to_lists(ids, lps, ranks, nums, lengths), strict=True):
             state.prompt_logprobs.extend(lists)
             state.prompt_logprobs_next = hi  # (only now: a step that raised before this gathers them again)
     for state in done:
-        ib.num_prompt_logprobs[state.row] = -1
-        ib.num_prompt_logprob_rows -= 1
-        ib.prompt_logprobs_ready.add(state.req_id)
+        input_batch.num_prompt_logprobs[state.row] = -1
+        input_batch.num_prompt_logprob_rows -= 1
+        input_batch.prompt_logprobs_ready.add(state.req_id)

@@ -35,15 +35,15 @@ from roseinfer.core.sched.output import CachedRequestData, ModelRunnerOutput, Sc
 Span = tuple[Sequence[int], int, int]  # a request's block table, the first position it computes, how many
 
 
-def spans(so: SchedulerOutput, ib) -> dict[str, Span]:
+def spans(scheduler_output: SchedulerOutput, input_batch) -> dict[str, Span]:
     """Where each request of the step reads and writes K/V: its table, start (num_computed_tokens), count. A new
     request the runner could not add has no row: its table is in the step's message."""
-    new = {r.req_id: r for r in so.scheduled_new_reqs}
+    new = {r.req_id: r for r in scheduler_output.scheduled_new_reqs}
     out = {}
-    for rid, n in so.num_scheduled_tokens.items():
-        row = ib.req_id_to_row.get(rid)
+    for rid, n in scheduler_output.num_scheduled_tokens.items():
+        row = input_batch.req_id_to_row.get(rid)
         if row is not None:
-            out[rid] = (ib.block_table.table[row], int(ib.num_computed_tokens[row]), n)
+            out[rid] = (input_batch.block_table.table[row], int(input_batch.num_computed_tokens[row]), n)
         elif rid in new:
             out[rid] = (new[rid].block_ids, new[rid].num_computed_tokens, n)
     return out
@@ -59,19 +59,19 @@ def read_only(span: Span, bs: int) -> list[int]:
     return [int(b) for b in table[: start // bs]]
 
 
-def units(so: SchedulerOutput, step_spans: dict[str, Span], bs: int) -> list[list[str]]:
+def units(scheduler_output: SchedulerOutput, step_spans: dict[str, Span], bs: int) -> list[list[str]]:
     """The step's requests in groups that must run together: a request with the children it forks to sample now,
     and a request with the one that writes the cached blocks it reads (in the step's order)."""
-    root = {rid: rid for rid in so.num_scheduled_tokens}
+    root = {rid: rid for rid in scheduler_output.num_scheduled_tokens}
 
     def find(r: str) -> str:
         while root[r] != r:
             r = root[r]
         return r
 
-    for f in so.forks:
-        if f.sample_now and f.parent_id in root:
-            root[f.child_id] = find(f.parent_id)
+    for fork in scheduler_output.forks:
+        if fork.sample_now and fork.parent_id in root:
+            root[fork.child_id] = find(fork.parent_id)
     writer = {b: rid for rid, span in step_spans.items() for b in written(span, bs)}
     for rid, span in step_spans.items():
         for b in read_only(span, bs):
@@ -118,30 +118,32 @@ class Failures:
         return out
 
 
-def without(so: SchedulerOutput, ids) -> SchedulerOutput:
+def without(scheduler_output: SchedulerOutput, ids) -> SchedulerOutput:
     """The step without some requests (and the forks of those): the part of it that runs."""
-    c = so.scheduled_cached_reqs
-    keep = [i for i, r in enumerate(c.req_ids) if r not in ids]
-    cols = (c.req_ids, c.resumed_from_preemption, c.new_token_ids, c.new_block_ids, c.num_computed_tokens)
-    num = {r: n for r, n in so.num_scheduled_tokens.items() if r not in ids}
+    cached = scheduler_output.scheduled_cached_reqs
+    keep = [i for i, r in enumerate(cached.req_ids) if r not in ids]
+    columns = (cached.req_ids, cached.resumed_from_preemption, cached.new_token_ids, cached.new_block_ids,
+               cached.num_computed_tokens)  # fmt: skip
+    num = {r: n for r, n in scheduler_output.num_scheduled_tokens.items() if r not in ids}
+    drafts = scheduler_output.scheduled_spec_decode_tokens
     return dataclasses.replace(
-        so,
-        scheduled_new_reqs=[r for r in so.scheduled_new_reqs if r.req_id not in ids],
-        scheduled_cached_reqs=CachedRequestData(*([col[i] for i in keep] for col in cols)),
+        scheduler_output,
+        scheduled_new_reqs=[r for r in scheduler_output.scheduled_new_reqs if r.req_id not in ids],
+        scheduled_cached_reqs=CachedRequestData(*([column[i] for i in keep] for column in columns)),
         num_scheduled_tokens=num,
         total_num_scheduled_tokens=sum(num.values()),
-        scheduled_spec_decode_tokens={r: d for r, d in so.scheduled_spec_decode_tokens.items() if r not in ids},
-        forks=[f for f in so.forks if f.child_id not in ids and f.parent_id not in ids],
+        scheduled_spec_decode_tokens={r: d for r, d in drafts.items() if r not in ids},
+        forks=[f for f in scheduler_output.forks if f.child_id not in ids and f.parent_id not in ids],
     )
 
 
-def run_in_parts(runner, so: SchedulerOutput, error: Exception) -> ModelRunnerOutput:
-    """The step `so` raised `error` in `runner`: run its units again in halves, down to single units, merging what
-    runs; the units that still fail alone go in `errors` (and in `runner.failures`, with the blocks they left
-    unwritten)."""
-    ib, out = runner.input_batch, ModelRunnerOutput()
-    step_spans = spans(so, ib)
-    parts = [units(so, step_spans, runner.block_size)]
+def run_in_parts(runner, scheduler_output: SchedulerOutput, error: Exception) -> ModelRunnerOutput:
+    """The step `scheduler_output` raised `error` in `runner`: run its units again in halves, down to single units,
+    merging what runs (each part through `runner.execute_part`); the units that still fail alone go in `errors`
+    (and in `runner.failures`, with the blocks they left unwritten)."""
+    out = ModelRunnerOutput()
+    step_spans = spans(scheduler_output, runner.input_batch)
+    parts = [units(scheduler_output, step_spans, runner.block_size)]
     everyone = {r for u in parts[0] for r in u}
     while parts:
         part = parts.pop()
@@ -149,15 +151,13 @@ def run_in_parts(runner, so: SchedulerOutput, error: Exception) -> ModelRunnerOu
         try:
             if len(part) == 1 and not parts and ids == everyone:
                 raise error  # the whole step was this one unit: it has failed already
-            sub = without(so, everyone - ids)
-            runner._cached_rows = ib.rows(sub.scheduled_cached_reqs.req_ids)
-            merge(out, runner.finish_step(runner._launch(sub)))
+            merge(out, runner.execute_part(without(scheduler_output, everyone - ids)))
         except Exception as e:
             if len(part) > 1:
                 parts += [part[len(part) // 2 :], part[: len(part) // 2]]  # the first half runs first
                 continue
             runner.failures.add(ids, step_spans)
-            out.errors.update({r: why(r, e) for r in ids})
+            out.errors.update({r: error_message(r, e) for r in ids})
     return out
 
 
@@ -169,6 +169,6 @@ def merge(into: ModelRunnerOutput, out: ModelRunnerOutput) -> None:
         getattr(into, name).update(getattr(out, name))
 
 
-def why(req_id: str, e: BaseException) -> str:
+def error_message(req_id: str, e: BaseException) -> str:
     """The error a request that failed alone reports."""
     return f"request {req_id!r} failed in the model runner: {type(e).__name__}: {e}"

@@ -13,6 +13,9 @@
   rank: each rank's pool has the same blocks, holding that rank's heads.
 - The message goes over torch.distributed (`broadcast_object_list`, on a gloo group); the all-reduces in
   the model over the default group: gloo on CPU, NCCL on CUDA.
+- Start-up follows the engine core's order (roseinfer/worker/model_runner.py): every rank loads its shard
+  and says "loaded"; rank 0 decides the pool's blocks; `initialize_kv_cache` sends the workers that number
+  ("kv N"), and each allocates the same blocks (holding its own heads) and says "ready".
 - A pipe per worker says "a step is coming" or "exit". Workers sleep on it between steps, so a
   collective's timeout only ever counts time inside a step; and it closes when rank 0 dies, however
   it dies, so a worker that reads EOF exits: no orphans. Workers ignore Ctrl-C (rank 0 handles it).
@@ -44,7 +47,7 @@ TIMEOUT_S = 120  # a collective waiting longer than this (a peer stuck mid-step)
 class WorkerSpec:
     """What a worker needs (picklable: it crosses to the spawned process)."""
 
-    config: EngineConfig  # the engine's config, with the KV pool already sized by rank 0
+    config: EngineConfig  # the engine's config (the pool's blocks come later, with "kv N")
     threads: int  # torch threads per rank, on CPU
     port: int  # rank 0's TCPStore, where the ranks find each other
 
@@ -69,8 +72,8 @@ def broadcast(obj, group: dist.ProcessGroup | None):
 
 # ---- the worker: ranks 1 .. N-1 -----------------------------------------------------------------------
 def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
-    """A worker's whole life: join the group, load its shard, then run the steps rank 0 sends until
-    told to exit or until the pipe closes (rank 0 is gone)."""
+    """A worker's whole life: join the group, load its shard, allocate the KV pool rank 0 sizes, then run the
+    steps rank 0 sends until told to exit or until the pipe closes (rank 0 is gone)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; it then tells us to exit
     try:
         torch.set_num_threads(spec.threads)
@@ -82,21 +85,29 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
         tp = spec.config.parallel_config.tensor_parallel_size
         store = dist.TCPStore("127.0.0.1", spec.port, tp, is_master=False, timeout=timeout)
         group = init_distributed(rank, spec, store)
-        runner = ModelRunner(spec.config, tp_rank=rank, device=device)
-        conn.send(("ready", runner.kv_cache.nbytes))
+        runner = ModelRunner(spec.config, tp_rank=rank, device=device)  # the shard; no KV cache yet
+        conn.send(("loaded", None))
+        command = _next_command(conn)  # "kv N": the pool's blocks, as rank 0 decided them (None: exit at once)
+        if command is not None:
+            runner.initialize_kv_cache(int(command.split()[1]))
+            conn.send(("ready", runner.kv_cache.nbytes))
     except BaseException:
         _send_quietly(conn, ("error", traceback.format_exc()))
         raise
-    while True:
-        try:
-            if conn.recv_bytes() == b"exit":
-                break
-        except (EOFError, OSError):  # the pipe closed: rank 0 is gone
-            break
-        so, last = broadcast(None, group)
+    while command is not None and (command := _next_command(conn)) is not None:  # a step is coming
+        scheduler_output, last = broadcast(None, group)
         runner.apply_sampled(last)  # rank 0's tokens of the previous step
-        runner.execute_model(so)  # this rank's share of the forward; rank 0 computes the logits
+        runner.execute_model(scheduler_output)  # this rank's share of the forward; rank 0 computes the logits
     dist.destroy_process_group()
+
+
+def _next_command(conn) -> bytes | None:
+    """Sleep until rank 0 sends a command; None for "exit", or when the pipe closed (rank 0 is gone)."""
+    try:
+        command = conn.recv_bytes()
+    except (EOFError, OSError):
+        return None
+    return None if command == b"exit" else command
 
 
 def _send_quietly(conn, msg) -> None:
@@ -149,7 +160,7 @@ class TensorParallelRunner(ModelRunner):
         threads = max(1, old_threads // tp)  # on CPU the ranks share the cores
         if config.model_config.device.type == "cpu":
             torch.set_num_threads(threads)  # rank 0 is one of the N ranks sharing the cores
-        super().__init__(config, tp_rank=0)  # rank 0's shard; sizes the KV pool that every rank then allocates
+        super().__init__(config, tp_rank=0)  # rank 0's shard (the KV pool comes with initialize_kv_cache)
         timeout = datetime.timedelta(seconds=TIMEOUT_S)
         store = dist.TCPStore("127.0.0.1", 0, tp, is_master=True, timeout=timeout, wait_for_workers=False)
         spec = WorkerSpec(config, threads, store.port)  # a free port, picked by the OS: no race with other processes
@@ -168,25 +179,41 @@ class TensorParallelRunner(ModelRunner):
         self._last: ModelRunnerOutput | None = None  # tokens the workers have not seen yet
         try:
             self.group = init_distributed(0, spec, store)
-            self.worker_kv_bytes = [self._wait_ready(rank, conn) for rank, conn in enumerate(conns, start=1)]
+            for rank, conn in enumerate(conns, start=1):
+                self._wait_for("loaded", rank, conn)
         except BaseException:
             self.close()
             raise
         self.pids = [p.pid for p in procs]
+        self.worker_kv_bytes: list[int] = []
 
-    def _wait_ready(self, rank: int, conn) -> int:
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Rank 0's pool, then every worker's: the same `num_blocks` (rank 0 measured them), each holding that
+        rank's heads."""
+        try:
+            super().initialize_kv_cache(num_blocks)
+            for conn in self.workers.conns:
+                conn.send_bytes(b"kv %d" % num_blocks)
+            self.worker_kv_bytes = [self._wait_for("ready", rank, conn)
+                                    for rank, conn in enumerate(self.workers.conns, start=1)]  # fmt: skip
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_for(self, status: str, rank: int, conn):
+        """A worker's next start-up message ("loaded", then "ready" with its KV pool's bytes)."""
         while not conn.poll(0.1):
             if self.workers.dead():
                 raise RuntimeError(f"tensor-parallel worker failed to start: {'; '.join(self.workers.dead())}")
-        status, detail = conn.recv()
-        if status != "ready":
+        got, detail = conn.recv()
+        if got != status:
             raise RuntimeError(f"tensor-parallel worker rank {rank} failed to start:\n{detail}")
-        return detail  # its KV pool's bytes
+        return detail
 
     def close(self) -> None:
         self._finalizer()  # runs Workers.shutdown once
 
-    def launch_step(self, so: SchedulerOutput):
+    def launch_step(self, scheduler_output: SchedulerOutput):
         """Wake every worker, broadcast the step's message (and the tokens of the step before, which the workers
         have not seen), then run rank 0's share of it."""
         if self.failed is not None:
@@ -199,11 +226,11 @@ class TensorParallelRunner(ModelRunner):
                 raise RuntimeError("a worker is gone")
             for conn in self.workers.conns:
                 conn.send_bytes(b"step")
-            broadcast((so, last), self.group)
+            broadcast((scheduler_output, last), self.group)
         except (RuntimeError, OSError) as e:
             raise self._fail(e) from e
         try:
-            return super().launch_step(so)  # the forward: every rank runs it, with its all-reduces
+            return super().launch_step(scheduler_output)  # the forward: every rank runs it, with its all-reduces
         except RuntimeError as e:
             raise self._fail(e) from e
 
@@ -216,8 +243,8 @@ class TensorParallelRunner(ModelRunner):
         for proc in self.workers.procs:  # a killed worker's socket closes a moment before it can be reaped
             proc.join(timeout=0.5)
         dead = self.workers.dead()
-        why = f"worker {'; '.join(dead)}" if dead else f"the step failed ({type(e).__name__}: {e})"
-        self.failed = RuntimeError(f"tensor-parallel step failed on rank 0: {why}. Every worker has been "
+        cause = f"worker {'; '.join(dead)}" if dead else f"the step failed ({type(e).__name__}: {e})"
+        self.failed = RuntimeError(f"tensor-parallel step failed on rank 0: {cause}. Every worker has been "
                                    "stopped; this engine cannot run any more steps (create a new one)")  # fmt: skip
         self.close()
         return self.failed
