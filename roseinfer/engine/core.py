@@ -22,20 +22,14 @@ from roseinfer.core.request import Request
 from roseinfer.core.sched.output import EngineCoreOutput, SchedulerOutput
 from roseinfer.core.sched.scheduler import Scheduler
 from roseinfer.engine.beam_search import BeamSearchCoordinator
+from roseinfer.worker import make_model_runner
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
         """Build the engine in vLLM's order: the model, then the KV cache it leaves room for, then the scheduler
         from the final config (which holds the pool's blocks)."""
-        if config.parallel_config.tensor_parallel_size > 1:
-            from roseinfer.worker.tp_worker import TensorParallelRunner
-
-            self.model_runner = TensorParallelRunner(config)  # the model: every rank loads its shard
-        else:
-            from roseinfer.worker.model_runner import ModelRunner
-
-            self.model_runner = ModelRunner(config)  # the model
+        self.model_runner = make_model_runner(config)  # the model (with tensor parallelism, on every rank)
         num_blocks = self.model_runner.determine_num_kv_blocks()  # the pool asked for, or what the weights left
         self.config = config = config.with_num_gpu_blocks(num_blocks)  # final: nothing changes it from here on
         self.model_runner.initialize_kv_cache(num_blocks)

@@ -40,7 +40,7 @@ CORE_PARTS = {"scheduler", "kv_cache_manager", "model_runner"}
 IMPORT_RULES = {  # module -> the folders (or files) that may import it
     "roseinfer.core.sched.scheduler": ("roseinfer/core/", "roseinfer/engine/core.py"),
     "roseinfer.core.kv_cache_manager": ("roseinfer/core/", "roseinfer/engine/core.py"),
-    "roseinfer.worker.model_runner": ("roseinfer/worker/",),
+    "roseinfer.worker.model_runner": ("roseinfer/worker/", "roseinfer/spec_decode/"),  # proposers run in the worker
     "roseinfer.worker.tp_worker": ("roseinfer/worker/", "benchmarks/engine/measure_tensor_parallel.py"),
 }  # (chapter 15's measurement times the tensor-parallel runner's broadcast by wrapping it)
 FRONT = ("roseinfer/engine/", "roseinfer/entrypoints/", "roseinfer/outputs.py", "roseinfer/__init__.py")
