@@ -79,8 +79,8 @@ def measure(code: Path) -> dict:
 
 def in_stage(number: str) -> dict:
     """`measure` on a stage's code: its commit in a temporary worktree, in a fresh process."""
-    from chapter_doc import stage_commits
-    from chapter_outputs import Stages
+    from tools.chapters.doc import stage_commits
+    from tools.chapters.outputs import Stages
 
     commits = stage_commits()
     name = next((s for s in commits if s.startswith(f"{number}-")), None)

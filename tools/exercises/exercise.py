@@ -27,7 +27,7 @@ manifest is applied to the stage's code, never stored in it. A stage joins the t
 
 (`quick` and `tests` come first: in TOML a key after a [[stub]] header belongs to that stub.)
 
-How a stub is made: scripts/exercise_stub.py. How a test's outcome is recorded: scripts/exercise_grader.py.
+How a stub is made: tools/exercises/stub.py. How a test's outcome is recorded: tools/exercises/exercise_grader.py.
 """
 
 from __future__ import annotations
@@ -47,11 +47,10 @@ from pathlib import Path
 
 import tomllib  # Python 3.11 (scripts/setup.sh makes .venv with python3.11)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from chapter_doc import stage_commits  # noqa: E402  (the Stage: trailers, so a clone without tags works too)
-from exercise_stub import is_stubbed, replace_function, stub_source  # noqa: E402
+from tools.chapters.doc import stage_commits  # (the Stage: trailers, so a clone without tags works too)
+from tools.exercises.stub import is_stubbed, replace_function, stub_source
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MANIFESTS = REPO / "exercises"
 MARKER = ".exercise"  # DIR/.exercise/: exercise.json, the grader's plugin and its reports; ignored by git
 
@@ -202,12 +201,12 @@ def restore_grader(dir_: Path, commit: str) -> list[str]:
 def run_grader(dir_: Path, files: list[str], quick: list[str], exitfirst: bool, timeout: float,
                verbose: bool = False, show=None) -> tuple[int, list[dict]]:  # fmt: skip
     """pytest on `files` in DIR, with DIR's venv and DIR's roseinfer. `show(record)` is called for each test
-    as it finishes. Returns pytest's exit code and one record per test (scripts/exercise_grader.py)."""
+    as it finishes. Returns pytest's exit code and one record per test (tools/exercises/exercise_grader.py)."""
     python = dir_ / ".venv" / "bin" / "python"
     if not python.exists():
         raise SystemExit(f"{dir_} has no .venv: run ./scripts/share_venv.sh {dir_}")
     marker = dir_ / MARKER
-    shutil.copy(REPO / "scripts" / "exercise_grader.py", marker)  # loaded with -p from DIR/.exercise
+    shutil.copy(Path(__file__).with_name("exercise_grader.py"), marker)  # loaded with -p from DIR/.exercise
     report, log = marker / "report.jsonl", marker / "last-run.log"
     report.unlink(missing_ok=True)
     cmd = [str(python), "-m", "pytest", "-p", "no:cacheprovider", "-p", "exercise_grader", "-q", "--tb=short",

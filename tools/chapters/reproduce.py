@@ -1,9 +1,9 @@
 """Rerun the measurements behind the chapters, each at its own stage, and record them in results/.
 
-    python scripts/reproduce.py                # every stage that has results/NN-slug/runs.toml
-    python scripts/reproduce.py 05 09          # some stages
-    python scripts/reproduce.py 09 --only gpt2-t2
-    python scripts/reproduce.py --list         # what would run, and the data file of each
+    ./scripts/reproduce.sh                # every stage that has results/NN-slug/runs.toml
+    ./scripts/reproduce.sh 05 09          # some stages
+    ./scripts/reproduce.sh 09 --only gpt2-t2
+    ./scripts/reproduce.sh --list         # what would run, and the data file of each
 
     results/NN-slug/runs.toml ──► [[run]] name, command, repeats (1), where ("stage" | "main"), record (true)
          │
@@ -19,7 +19,7 @@ of the run's folders are written as the chapters show them: `.` for the stage's 
 the stages sit in. In a command, `{run}` is the run's number (1 to `repeats`) and `{repo}` this checkout (for
 a script newer than the stage). Files a command writes under its checkout's results/NN-slug/ and figures under
 chapters/NN-slug/ are copied into this checkout; a chapter names a data file with a `Data:` line, and
-scripts/chapter_data.py checks both against each other.
+tools/chapters/data.py checks both against each other.
 """
 
 from __future__ import annotations
@@ -39,9 +39,8 @@ from pathlib import Path
 
 import tomllib
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from chapter_doc import REPO, git, stage_commits  # noqa: E402
-from chapter_outputs import PROGRESS, Stages, run  # noqa: E402
+from tools.chapters.doc import REPO, git, stage_commits
+from tools.chapters.outputs import PROGRESS, Stages, run
 
 RESULTS = REPO / "results"
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")

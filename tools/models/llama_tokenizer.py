@@ -162,5 +162,5 @@ def check(out_dir: Path, prompt: str = "ROMEO.\nBut soft, what light", user: str
 
 
 if __name__ == "__main__":
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     check(Path(sys.argv[1]) if len(sys.argv) > 1 else repo / "roseinfer" / "models" / "tiny-llama-shakespeare")

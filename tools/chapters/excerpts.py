@@ -19,7 +19,7 @@ constant indentation. A ```diff block is two such excerpts: its ` `/`+` lines of
 
 from __future__ import annotations
 
-from chapter_doc import ELISION, Document, Snapshots
+from tools.chapters.doc import ELISION, Document, Snapshots
 
 Lines = list[tuple[int, str]]  # (chapter line, text)
 

@@ -17,7 +17,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FENCE = re.compile(r"^\s*(`{3,})\s*([\w+-]*)")
 # `# roseinfer/engine.py`: one path-like word (a folder or a file extension) and nothing else
 HEADER = re.compile(r"^#\s*((?:[\w.-]+/)*[\w.-]*\w\.\w+|(?:[\w.-]+/)+[\w.-]+)\s*$")

@@ -22,7 +22,7 @@ import re
 import shlex
 from pathlib import Path
 
-from chapter_doc import SHELL, Block, Document, Snapshots, commit_of_number, previous_commit
+from tools.chapters.doc import SHELL, Block, Document, Snapshots, commit_of_number, previous_commit
 
 STAGE_NAME = re.compile(r"\bstage-(\d\d)-[a-z0-9-]*[a-z0-9]")
 TEST_SPAN = re.compile(r"`((?:tests/)?test_\w+(?:\.py)?(?:::\w+)*(?:\[[^\]`]*\])?|Test\w+(?:::\w+)*)`")
@@ -165,7 +165,8 @@ def script_of(words: list[str]) -> str | None:
         args = words[1:]
         if "-m" in args[:-1]:
             module = args[args.index("-m") + 1]
-            return module.replace(".", "/") if module.split(".")[0] in {"roseinfer", "scripts"} else None
+            packages = {"roseinfer", "scripts", "benchmarks", "tools"}
+            return module.replace(".", "/") if module.split(".")[0] in packages else None
         return next((a for a in args if a.endswith(".py")), None)
     return head if head.startswith("./") or head.endswith(".sh") else None
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import ast
 import re
 
-from chapter_doc import OUTPUT_MARK, REPO, SHELL, Document, git
+from tools.chapters.doc import OUTPUT_MARK, REPO, SHELL, Document, git
 
 GOAL_TALK = [
     (r"\bgoals?\b", "a goal"),

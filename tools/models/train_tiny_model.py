@@ -58,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO / "roseinfer" / "models" / "tiny-shakespeare"
 DRAFT_OUT = REPO / "roseinfer" / "models" / "tiny-shakespeare-draft"
 LLAMA_OUT = REPO / "roseinfer" / "models" / "tiny-llama-shakespeare"
@@ -173,7 +173,6 @@ def main() -> None:
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     args.out = args.out or (LLAMA_OUT if llama else DRAFT_OUT if args.draft else DEFAULT_OUT)
-    sys.path.insert(0, str(REPO / "scripts"))
 
     import tiktoken
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -195,7 +194,7 @@ def main() -> None:
         args.vocab_size = len(ranks) + 1
         hf_tok = None
     elif llama:  # the GPT-2's ordinary tokens, then Llama 3's special tokens (scripts/llama_tokenizer.py)
-        import llama_tokenizer as lt
+        from tools.models import llama_tokenizer as lt
 
         specials = lt.special_tokens(args.vocab_size - 1)
         hf_tok = train_tokenizer(train_docs, args.vocab_size - 1 + len(specials), tuple(specials))
@@ -356,7 +355,7 @@ def main() -> None:
         lt.write(hf_tok, args.out, args.max_positions)
     else:
         write_tiktoken_file(ranks, args.out / "tokenizer.tiktoken")
-        from export_hf_tokenizer import export  # GPT-2's vocab.json + merges.txt from the same ranks
+        from tools.models.export_hf_tokenizer import export  # GPT-2's vocab.json + merges.txt from the same ranks
 
         export(args.out)
         for extra in ("generation_config.json",):

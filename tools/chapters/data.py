@@ -31,8 +31,9 @@ import re
 from pathlib import Path
 
 import tomllib
-from chapter_doc import ELISION, REPO, SHELL, Block, Document
-from chapter_outputs import match_output
+
+from tools.chapters.doc import ELISION, REPO, SHELL, Block, Document
+from tools.chapters.outputs import match_output
 
 DATA_LINE = re.compile(r"^\s*(?:[-*]\s+)?\**Data\**:")
 DATA_PATH = re.compile(r"`(results/[^`\s]+|roseinfer/models/[\w.-]+/training_report\.json)`")

@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from roseinfer.model_executor.loader import DEFAULT_MODEL
+from roseinfer.tokenizer import Tokenizer
+from roseinfer.tokenizer.hf_tokenizer import EOT, byte_decoder
+from roseinfer.tokenizer.tokenizer import read_tiktoken_file
 
-from roseinfer.model_executor.loader import DEFAULT_MODEL  # noqa: E402
-from roseinfer.tokenizer import Tokenizer  # noqa: E402
-from roseinfer.tokenizer.hf_tokenizer import EOT, byte_decoder  # noqa: E402
-from roseinfer.tokenizer.tokenizer import read_tiktoken_file  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def last_merge(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:

@@ -34,8 +34,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from chapter_doc import ELISION, REPO, SHELL, Block, Document, commit_of_number, git, read_document
-from chapter_excerpts import match_excerpt
+from tools.chapters.doc import ELISION, REPO, SHELL, Block, Document, commit_of_number, git, read_document
+from tools.chapters.excerpts import match_excerpt
 
 START, END = "<start of output>", "<end of output>"
 PROGRESS = re.compile(r"\d+%\|")  # a progress bar (tqdm), redrawn in place on a terminal
