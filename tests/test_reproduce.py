@@ -1,5 +1,5 @@
-"""The chapters' numbers come from results/: scripts/reproduce.py records them, scripts/chapter_data.py checks the
-chapters against the records."""
+"""The chapters' numbers come from results/: tools/chapters/reproduce.py records them, tools/chapters/data.py checks
+the chapters against the records."""
 
 from __future__ import annotations
 

@@ -11,21 +11,21 @@ yet, against the working tree. Files are read with `git show`, so the default mo
 
 | what        | the rule                                                              | where             |
 |-------------|-----------------------------------------------------------------------|-------------------|
-| excerpts    | a block whose first line names a file (`# roseinfer/engine.py`) is a  | chapter_excerpts  |
+| excerpts    | a block whose first line names a file (`# roseinfer/engine.py`) is a  | excerpts.py       |
 |             | contiguous run of that file, in order; a line that is only `...` is   |                   |
 |             | the one way to leave lines out; a ```diff block's `-` lines are the   |                   |
 |             | previous stage's                                                      |                   |
-| names       | every test named (`test_x`, `tests/test_f.py::test_x`, `-k` words),   | chapter_names     |
+| names       | every test named (`test_x`, `tests/test_f.py::test_x`, `-k` words),   | names.py          |
 |             | script run (`./x.sh`, `python scripts/x.py`) and `stage-NN-slug`      |                   |
 |             | exists at the stage                                                   |                   |
-| words       | no goal-talk or placeholders in the prose, no local paths; output     | chapter_words     |
+| words       | no goal-talk or placeholders in the prose, no local paths; output     | words.py          |
 |             | marks name a command shown above them; README.md's Layout block lists |                   |
 |             | every module                                                          |                   |
-| outputs     | `<!-- output: CMD -->` before a block: rerun CMD at the stage and     | chapter_outputs   |
+| outputs     | `<!-- output: CMD -->` before a block: rerun CMD at the stage and     | outputs.py        |
 |             | compare (`--outputs` only)                                            |                   |
-| data        | a section with a measured number (a rate, a time, a ratio) has a      | chapter_data      |
-|             | `Data:` line naming files under results/ that scripts/reproduce.py   |                   |
-|             | wrote from a command the chapter shows; a block after the line is the |                   |
+| data        | a section with a measured number (a rate, a time, a ratio) has a      | data.py           |
+|             | `Data:` line naming files under results/ that reproduce.py wrote      |                   |
+|             | from a command the chapter shows; a block after the line is the       |                   |
 |             | file's output (`--sync-data` rewrites it from the file)               |                   |
 
 Each module's docstring has its rules in full. Every failure is printed as `file:line: why`; the exit status

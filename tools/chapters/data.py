@@ -8,9 +8,9 @@
 Rules, each failure printed as `file:line: why`:
 
 1. A `Data:` line names files under results/ in backquotes (a `*` is a glob), or a bundled model's
-   training_report.json (which scripts/train_tiny_model.py writes next to the weights); each matches a file in
+   training_report.json (which tools/models/train_tiny_model.py writes next to the weights); each matches a file in
    this checkout.
-2. A file with a `command` (a record that scripts/reproduce.py wrote) comes from a `[[run]]` of its stage's
+2. A file with a `command` (a record that tools/chapters/reproduce.py wrote) comes from a `[[run]]` of its stage's
    results/NN-slug/runs.toml with that same command, and the chapter shows the command (in a shell block, an
    output mark or backquotes), so a reader can run it.
 3. A block right after a `Data:` line (only blank lines between) is the record's output: its `median` over the

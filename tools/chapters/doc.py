@@ -17,6 +17,8 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.common import git
+
 REPO = Path(__file__).resolve().parents[2]
 FENCE = re.compile(r"^\s*(`{3,})\s*([\w+-]*)")
 # `# roseinfer/engine.py`: one path-like word (a folder or a file extension) and nothing else
@@ -97,10 +99,6 @@ def read_document(path: Path) -> Document:
         else:  # a fence indented inside a list item: its lines carry that indentation too
             current.lines.append(line[min(indent, len(line) - len(line.lstrip(" "))) :])
     return doc
-
-
-def git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=REPO, check=True, capture_output=True, text=True).stdout
 
 
 def stage_commits() -> dict[str, str]:

@@ -1,6 +1,6 @@
 """Chapter 02's picture: one next-token distribution, before and after filtering.
 
-python scripts/plot_sampling.py --out chapters/02-kv-cache/sampling.png
+python tools/chapters/plot_sampling.py --out chapters/02-kv-cache/sampling.png
 """
 
 from __future__ import annotations

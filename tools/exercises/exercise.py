@@ -47,6 +47,7 @@ from pathlib import Path
 
 import tomllib  # Python 3.11 (scripts/setup.sh makes .venv with python3.11)
 
+from benchmarks.common import git
 from tools.chapters.doc import stage_commits  # (the Stage: trailers, so a clone without tags works too)
 from tools.exercises.stub import is_stubbed, replace_function, stub_source
 
@@ -98,10 +99,6 @@ def load_manifest(path: Path) -> Manifest:
 def manifests() -> dict[str, Manifest]:
     """NN -> manifest, for every exercises/NN-slug.toml."""
     return {m.nn: m for m in map(load_manifest, sorted(MANIFESTS.glob("[0-9][0-9]-*.toml")))}
-
-
-def git(*args: str, cwd: Path = REPO, check: bool = True) -> str:
-    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=check).stdout
 
 
 def resolve(nn: str) -> tuple[Manifest, str]:

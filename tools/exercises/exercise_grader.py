@@ -1,4 +1,4 @@
-"""The exercise grader's pytest plugin (scripts/exercise.py copies it into DIR/.exercise/ and loads it
+"""The exercise grader's pytest plugin (tools/exercises/exercise.py copies it into DIR/.exercise/ and loads it
 with `-p exercise_grader`); it works with the pytest of any stage.
 
     --exercise-report=FILE    one JSON line per test as it finishes: {"nodeid", "outcome", "message", "seconds"},

@@ -1,6 +1,6 @@
 """Write GPT-2's tokenizer files (vocab.json + merges.txt) next to a `tokenizer.tiktoken`.
 
-    python scripts/export_hf_tokenizer.py [MODEL_DIR]      # default: the bundled model
+    python tools/models/export_hf_tokenizer.py [MODEL_DIR]      # default: the bundled model
 
 so that `transformers.AutoTokenizer.from_pretrained(MODEL_DIR)` loads the directory like any
 GPT-2 on the Hub. Tokens are written in GPT-2's printable alphabet (byte 0x20 is "Ġ"), ids

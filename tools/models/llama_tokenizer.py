@@ -1,8 +1,8 @@
 """The tiny Llama's tokenizer files in Llama 3's layout, its chat samples, and a check that transformers loads it.
 
-    python scripts/llama_tokenizer.py [MODEL_DIR]      # default: roseinfer/models/tiny-llama-shakespeare
+    python tools/models/llama_tokenizer.py [MODEL_DIR]      # default: roseinfer/models/tiny-llama-shakespeare
 
-scripts/train_tiny_model.py --arch llama uses this module. The vocabulary is the bundled GPT-2's
+tools/models/train_tiny_model.py --arch llama uses this module. The vocabulary is the bundled GPT-2's
 (the same byte-level BPE, retrained the same way); what changes is the pipeline around it:
 
 - special tokens after the ordinary ones: <|begin_of_text|> (BOS), <|end_of_text|> (EOS), the

@@ -3,10 +3,10 @@
 Everything is seeded so that a rerun reproduces the same tokenizer and (on the same
 device and torch build) the same weights.
 
-    python scripts/train_tiny_model.py                  # CPU, about an hour on 2 cores
-    python scripts/train_tiny_model.py --device cuda    # minutes on a GPU
-    python scripts/train_tiny_model.py --draft          # the draft model for speculative decoding (stage 14)
-    python scripts/train_tiny_model.py --arch llama --threads 1   # the tiny Llama, about 25 min
+    python tools/models/train_tiny_model.py                  # CPU, about an hour on 2 cores
+    python tools/models/train_tiny_model.py --device cuda    # minutes on a GPU
+    python tools/models/train_tiny_model.py --draft          # the draft model for speculative decoding (stage 14)
+    python tools/models/train_tiny_model.py --arch llama --threads 1   # the tiny Llama, about 25 min
 
 With `--draft` it trains a 2-layer, 128-wide model next to the bundled one
 (`roseinfer/models/tiny-shakespeare-draft`): the same tokenizer, loaded from the bundled
@@ -22,7 +22,7 @@ grouped-query attention (GQA): 8 query heads share 2 key/value heads (head_dim 3
 cache an engine keeps per token is 4x smaller than with 8 full heads, which is why Llama 2 70B,
 Llama 3 and most models since use it. Same training plays and the same BPE vocabulary as the
 GPT-2, with Llama 3's special tokens, BOS-prepending tokenizer.json and chat template around it
-(scripts/llama_tokenizer.py). Each play is `<|begin_of_text|>` + text + `<|end_of_text|>`, and
+(tools/models/llama_tokenizer.py). Each play is `<|begin_of_text|>` + text + `<|end_of_text|>`, and
 every 10th short exchange between two speakers is also given as a chat sample (user: a speech,
 assistant: the next speaker's reply) so that the chat template means something to the model.
 Its budget (1200 steps of 4 x 512 tokens, 25 min on 1 CPU thread) is a third of the GPT-2's
@@ -39,7 +39,7 @@ Steps:
 3. Model: `transformers.GPT2LMHeadModel` (the reference implementation of the
    architecture roseinfer re-implements), trained with AdamW + cosine schedule and saved
    as an HF directory: config.json + model.safetensors + tokenizer.tiktoken, plus GPT-2's
-   vocab.json + merges.txt (scripts/export_hf_tokenizer.py) for transformers' tokenizer.
+   vocab.json + merges.txt (tools/models/export_hf_tokenizer.py) for transformers' tokenizer.
    The Llama is saved the same way with tokenizer.json + tokenizer_config.json instead, and the
    script then loads it with transformers' Auto classes and prints greedy samples.
 """
@@ -193,7 +193,7 @@ def main() -> None:
         ranks = load_tiktoken_bpe(str(args.teacher / "tokenizer.tiktoken"))
         args.vocab_size = len(ranks) + 1
         hf_tok = None
-    elif llama:  # the GPT-2's ordinary tokens, then Llama 3's special tokens (scripts/llama_tokenizer.py)
+    elif llama:  # the GPT-2's ordinary tokens, then Llama 3's special tokens (tools/models/llama_tokenizer.py)
         from tools.models import llama_tokenizer as lt
 
         specials = lt.special_tokens(args.vocab_size - 1)
