@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/setup.sh
-"$VENV/bin/python" scripts/roofline.py --threads 1 "$@"
-exec "$VENV/bin/python" scripts/cpu_gemm_example.py --threads 1
+"$VENV/bin/python" benchmarks/engine/roofline.py --threads 1 "$@"
+exec "$VENV/bin/python" examples/cpu_gemm_example.py --threads 1

@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/setup.sh
-exec "$VENV/bin/python" scripts/serve_example.py "$@"
+exec "$VENV/bin/python" examples/serve_example.py "$@"

@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/setup.sh
-exec "$VENV/bin/python" scripts/spec_decode_example.py "$@"
+exec "$VENV/bin/python" examples/spec_decode_example.py "$@"

@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/setup.sh
-exec "$VENV/bin/python" scripts/tensor_parallel_example.py "$@"
+exec "$VENV/bin/python" examples/tensor_parallel_example.py "$@"

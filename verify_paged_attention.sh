@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 if [ -n "${PYTHON:-}" ]; then
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-  exec "$PYTHON" scripts/verify_paged_attention.py "$@"
+  exec "$PYTHON" examples/verify_paged_attention.py "$@"
 fi
 source scripts/setup.sh
-exec "$VENV/bin/python" scripts/verify_paged_attention.py "$@"
+exec "$VENV/bin/python" examples/verify_paged_attention.py "$@"

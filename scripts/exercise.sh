@@ -11,14 +11,14 @@
 #   ./scripts/exercise.sh --prove [NN ...]  every stage (or these): the grader fails on the stubs and passes on
 #                                           the stage's code (--per-stub: each stub alone fails it too; slow)
 #
-# The stubs of stage NN are listed in exercises/NN-slug.toml; scripts/exercise.py does the work. When you
+# The stubs of stage NN are listed in exercises/NN-slug.toml; tools/exercises/exercise.py does the work. When you
 # are done with an exercise: git worktree remove --force ~/ex07
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 usage() { sed -n '3,13p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [ "$#" -ge 1 ] || usage
 source "$root/scripts/setup.sh"  # this checkout's .venv (created on the first run)
-tool=("$VENV/bin/python" "$root/scripts/exercise.py")
+tool=("$VENV/bin/python" -m tools.exercises.exercise)  # PYTHONPATH: setup.sh puts $root on it
 
 case "$1" in
   --check) shift; exec "${tool[@]}" check "$@" ;;

@@ -31,11 +31,11 @@ run() {  # run a titled command, append its output to the report as a code block
   echo
 } >"$report"
 run "pytest -m cuda" "$PY" -m pytest -q -m cuda tests/
-run "verify_paged_attention" "$PY" scripts/verify_paged_attention.py
+run "verify_paged_attention" "$PY" examples/verify_paged_attention.py
 run "benchmark --workload gpu (gpt2-medium shapes, fp16)" "$PY" scripts/benchmark.py --workload gpu \
   --model gpt2-medium --dtype float16 --batch-size 256 --json results/gpu_benchmark.json
 for opts in "--enforce-eager" "" "--async-scheduling"; do  # stage 16: CUDA graphs off / on, and async scheduling
-  run "engine step at 256 requests ${opts:-(CUDA graphs)}" "$PY" scripts/bench_engine_step.py --device cuda $opts \
+  run "engine step at 256 requests ${opts:-(CUDA graphs)}" "$PY" benchmarks/engine/bench_engine_step.py --device cuda $opts \
     --out "results/gpu_engine_step${opts// /}.json"
 done
 echo "wrote $report"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate every measured number and figure of every chapter, each with its own stage's code.
 # For each stage, results/NN-slug/runs.toml lists the commands behind the chapter's numbers;
-# scripts/reproduce.py runs each in a worktree of the stage (repeated where the chapter gives
+# tools/chapters/reproduce.py runs each in a worktree of the stage (repeated where the chapter gives
 # medians), records its output in results/NN-slug/NAME.json, and copies the figures it draws
 # into this checkout's chapters/. Then `git diff` shows what moved, and
 # `python scripts/check_chapters.py --sync-data` copies the new outputs into the chapters.
@@ -16,4 +16,4 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 source scripts/setup.sh
 ./scripts/tag_stages.sh >/dev/null
-exec "$VENV/bin/python" scripts/reproduce.py "$@"
+exec "$VENV/bin/python" -m tools.chapters.reproduce "$@"

@@ -42,6 +42,12 @@ if [ ! -x "$VENV/bin/python" ] || [ -n "$(LC_ALL=C comm -23 <(echo "$_stamp_want
   echo "$_stamp_want" > "$VENV/.roseinfer-setup"
   echo "[setup] done" >&2
 fi
+# An editable install made before benchmarks/ and tools/ were packages maps only roseinfer: redo it once, so
+# that `.venv/bin/python scripts/X.py` finds them from any folder (PYTHONPATH below covers the scripts anyway).
+if [ "$VENV" = "$_root/.venv" ] && [ ! -e "$VENV/.roseinfer-shared" ] &&
+  ! (cd / && env -u PYTHONPATH "$VENV/bin/python" -c "import benchmarks.common, tools.chapters" 2>/dev/null); then
+  "$VENV/bin/python" -m pip install -q --no-deps -e "$_root" || echo "[setup] editable install failed" >&2
+fi
 # Scripts and tests import *this* checkout's roseinfer (also in a stage worktree).
 export PYTHONPATH="$_root${PYTHONPATH:+:$PYTHONPATH}"
 unset _root _stamp_want _stamp_have _py

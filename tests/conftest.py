@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ if not torch.cuda.is_available():  # run stage 08's Triton kernels in Triton's C
     os.environ.setdefault("TRITON_INTERPRET", "1")  # (read when the kernels are defined: before any import)
 
 from roseinfer import DEFAULT_MODEL  # noqa: E402
+from tools.models.checkpoints import make_random_checkpoint  # noqa: E402, F401  (the tests import it from here)
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
@@ -121,30 +121,6 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]
         x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=eos
     )
     return out[0, len(prompt_ids) :].tolist()
-
-
-def make_random_checkpoint(
-    path: Path, seed: int = 0, safetensors: bool = True, tokenizer: bool = True, **overrides
-) -> Path:
-    """Save a small random GPT-2 in HF format to `path`, plus the bundled tokenizer.tiktoken
-    unless `tokenizer=False`. `overrides` are transformers.GPT2Config fields."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(seed)
-    kw = dict(vocab_size=4096, n_positions=64, n_embd=64, n_layer=2, n_head=4, bos_token_id=4095, eos_token_id=4095)
-    kw.update(overrides)
-    model = GPT2LMHeadModel(GPT2Config(**kw)).eval()
-    path.mkdir(parents=True, exist_ok=True)
-    if safetensors:
-        model.save_pretrained(path)
-    else:  # the old format, as the original `gpt2` repo: GPT2Model keys + a causal-mask buffer
-        model.config.save_pretrained(path)
-        sd = {k.removeprefix("transformer."): v for k, v in model.state_dict().items()}
-        sd["h.0.attn.bias"] = torch.tril(torch.ones(kw["n_positions"], kw["n_positions"]))[None, None]
-        torch.save(sd, path / "pytorch_model.bin")
-    if tokenizer:
-        shutil.copy(Path(DEFAULT_MODEL) / "tokenizer.tiktoken", path / "tokenizer.tiktoken")
-    return path
 
 
 @pytest.fixture(scope="session")

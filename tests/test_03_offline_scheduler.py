@@ -131,7 +131,7 @@ def test_scheduler_steps_round_robin(engine):
 
 def test_offline_example_prints_every_request():
     prompts = ["Romeo.", "Juliet.", "Nurse."]
-    r = run_python("scripts/offline_example.py", "--device", "cpu", "--max-tokens", "6", "--prompts", *prompts)
+    r = run_python("examples/offline_example.py", "--device", "cpu", "--max-tokens", "6", "--prompts", *prompts)
     assert r.returncode == 0, r.stderr
     for i in range(3):
         assert f"### request {i}\n{prompts[i]}" in r.stdout

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import pytest
 import torch
@@ -80,11 +78,9 @@ def test_sampler_matches_a_per_row_reference():
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("roseinfer_benchmark", REPO / "scripts" / "benchmark.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks import benchmark
+
+    return benchmark
 
 
 def test_benchmark_runs_end_to_end_on_a_tiny_workload(bench, tmp_path):

@@ -151,6 +151,6 @@ def test_llm_generate_runs_on_the_engine_with_max_num_seqs():
 
 
 def test_online_example_shows_a_join_mid_flight():
-    r = run_python("scripts/online_example.py", "--device", "cpu", "--num-requests", "5", "--max-steps", "400")
+    r = run_python("examples/online_example.py", "--device", "cpu", "--num-requests", "5", "--max-steps", "400")
     assert r.returncode == 0, r.stderr
     assert "joins while" in r.stdout and "TTFT" in r.stdout

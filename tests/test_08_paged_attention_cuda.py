@@ -296,15 +296,8 @@ def test_cuda_end_to_end_greedy_triton_equals_torch_equals_hf(hf_model):
 
 
 def test_benchmark_decode_roofline_arithmetic():
-    import importlib.util
-    import sys
+    from benchmarks import benchmark as bench
 
-    from conftest import REPO
-
-    spec = importlib.util.spec_from_file_location("roseinfer_benchmark_rf", REPO / "scripts" / "benchmark.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
     wl = bench.Workload({}, [[1] * 10, [1] * 20], [4, 2])
     cfg = {"n_embd": 8, "n_layer": 2, "vocab_size": 100, "n_positions": 32}
     rf = bench.decode_roofline(wl, cfg, torch.float16, batch_size=2, bandwidth=1e9)

@@ -1,7 +1,7 @@
 """Stage 08 without a GPU: every Triton kernel compiles ahead of time for real NVIDIA targets.
 
 The rest of the suite runs the kernels in Triton's interpreter, which checks what they compute but
-never compiles them. Here `scripts/triton_aot.py` compiles each kernel of
+never compiles them. Here `tools/triton_aot.py` compiles each kernel of
 roseinfer/attention/triton_kernels.py to PTX and a cubin for sm_80 (A100) and sm_90 (H100), at the
 bundled model's and GPT-2 small/medium shapes, in a fresh process without TRITON_INTERPRET
 (Triton's own compile cache makes later runs quick).
@@ -25,7 +25,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90(tmp_path):
     env["PYTHONPATH"] = str(REPO)
     out = tmp_path / "aot.json"
     proc = subprocess.run(
-        [sys.executable, "scripts/triton_aot.py", "--json", str(out)], cwd=REPO, env=env, capture_output=True, text=True
+        [sys.executable, "tools/triton_aot.py", "--json", str(out)], cwd=REPO, env=env, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())

@@ -276,6 +276,6 @@ def test_backends_agree_end_to_end_with_chunked_prefill(tmp_path):
 
 
 def test_chunked_prefill_example_shows_chunks_and_decodes():
-    r = run_python("scripts/chunked_prefill_example.py", "--budget", "24", "--long-prompt-tokens", "90")
+    r = run_python("examples/chunked_prefill_example.py", "--budget", "24", "--long-prompt-tokens", "90")
     assert r.returncode == 0, r.stderr
     assert "chunk" in r.stdout and "all outputs equal their solo runs" in r.stdout

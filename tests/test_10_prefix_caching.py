@@ -307,7 +307,7 @@ def test_llm_has_prefix_caching_on_by_default_and_reports_cached_tokens():
 
 
 def test_prefix_cache_example_shows_cached_tokens():
-    r = run_python("scripts/prefix_cache_example.py", "--num-requests", "4", "--max-tokens", "4")
+    r = run_python("examples/prefix_cache_example.py", "--num-requests", "4", "--max-tokens", "4")
     assert r.returncode == 0, r.stderr
     assert "cached" in r.stdout and "outputs equal with and without the prefix cache" in r.stdout
 

@@ -278,6 +278,6 @@ def test_bad_beam_search_params():
 
 
 def test_beam_search_example_runs():
-    r = run_python("scripts/beam_search_example.py", "--beam-width", "3", "--max-tokens", "6")
+    r = run_python("examples/beam_search_example.py", "--beam-width", "3", "--max-tokens", "6")
     assert r.returncode == 0, r.stderr
     assert "beam" in r.stdout and "KV blocks" in r.stdout

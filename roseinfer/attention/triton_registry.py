@@ -1,0 +1,254 @@
+"""Every Triton kernel of roseinfer, for compiling it without a GPU: the arguments of a real launch at a model's
+shape, its grid, and the bytes one launch must read. tools/triton_aot.py compiles each entry of KERNELS for sm_80 and
+sm_90 and prints the decode roofline from `bytes_read`.
+
+A new kernel in a file of MODULES (triton_kernels.py, triton_prefill.py, triton_copy.py) gets an entry in KERNELS;
+tests/test_08_triton_aot.py fails until it has one. SHAPES are multi-head models; GQA_SHAPES grouped-query ones
+(fewer K/V heads than query heads).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import triton
+import triton.language as tl
+
+from roseinfer.attention import triton_copy, triton_kernels, triton_prefill
+
+MODULES = [triton_kernels, triton_prefill, triton_copy]  # every file of roseinfer that defines and launches kernels
+
+DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+TL_DTYPES = {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}  # a dtype as a kernel's constexpr
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model's attention shape, and the decode launch the byte counts assume."""
+
+    name: str
+    n_head: int  # H
+    head_dim: int  # D
+    n_ctx: int  # the model's context: every sequence of the launch is this long
+    n_layer: int  # layers: copy_blocks copies in all of them in one launch
+    block_size: int = 16  # tokens per KV block (the engine's default)
+    dtype: str = "fp16"  # the GPU default
+    batch: int = 64  # sequences in the decode step
+    splits: int = 4  # S for the split-K kernels
+    n_kv_head: int = 0  # Hkv, the K/V heads (grouped-query attention); 0 = n_head (multi-head attention)
+
+    @property
+    def max_blocks(self) -> int:  # width of the block table
+        return math.ceil(self.n_ctx / self.block_size)
+
+    @property
+    def kv_heads(self) -> int:  # Hkv: the heads of the KV pool
+        return self.n_kv_head or self.n_head
+
+    @property
+    def group(self) -> int:  # G = H // Hkv: query heads per K/V head
+        return self.n_head // self.kv_heads
+
+    @property
+    def qkv_width(self) -> int:  # elements per token of the fused QKV projection: q, k and v are views into it
+        return (self.n_head + 2 * self.kv_heads) * self.head_dim
+
+
+SHAPES = [
+    Shape("tiny-shakespeare", n_head=4, head_dim=64, n_ctx=512, n_layer=4),  # the bundled model
+    Shape("gpt2", n_head=12, head_dim=64, n_ctx=1024, n_layer=12),  # GPT-2 small
+    Shape("gpt2-medium", n_head=16, head_dim=64, n_ctx=1024, n_layer=24),
+]
+GQA_SHAPES = [  # grouped-query attention: G = n_head // n_kv_head query heads read each K/V head
+    Shape("smollm2-135m", n_head=9, n_kv_head=3, head_dim=64, n_ctx=8192, n_layer=30),  # G = 3, Hkv not a power of 2
+    Shape("qwen2.5-0.5b", n_head=14, n_kv_head=2, head_dim=64, n_ctx=32768, n_layer=24),  # G = 7
+]
+
+
+# One launch argument: (Triton type, value). Pointers are 16-byte aligned (torch allocations are);
+# an int that is a multiple of 16 gets Triton's divisibility hint, as `kernel[grid](...)` gives it.
+def ptr(dtype: str) -> tuple[str, None]:
+    return ("*" + dtype, None)
+
+
+def i32(value: int) -> tuple[str, int]:
+    return ("i32", value)
+
+
+def int_arg(value: int) -> tuple[str, int]:
+    """A runtime int as a launch passes it: Triton specializes an int equal to 1 into a constant (G = 1, MHA)."""
+    return const(1) if value == 1 else i32(value)
+
+
+def f32() -> tuple[str, None]:
+    return ("fp32", None)
+
+
+def const(value: int | str | tl.dtype) -> tuple[str, int | str | tl.dtype]:
+    return ("constexpr", value)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    args: Callable[[Shape], dict[str, tuple[str, int | None]]]  # every parameter, in order
+    grid: Callable[[Shape], tuple[int, ...]]
+    bytes_read: Callable[[Shape], int]  # what one launch must read from memory, at least
+
+
+def _kv_bytes(s: Shape) -> int:  # K and V of every sequence's whole context, read once (Hkv heads)
+    return 2 * s.batch * s.n_ctx * s.kv_heads * s.head_dim * DTYPE_BYTES[s.dtype]
+
+
+def _decode_args(s: Shape) -> dict[str, tuple[str, int | None]]:  # q, cache, table arguments
+    return dict(
+        q_ptr=ptr(s.dtype), k_cache_ptr=ptr(s.dtype), v_cache_ptr=ptr(s.dtype),
+        block_tables_ptr=ptr("i32"), context_lens_ptr=ptr("i32"), scale=f32(), num_queries_per_kv=int_arg(s.group),
+        stride_qb=i32(s.qkv_width), stride_qh=i32(s.head_dim),  # q is a view into the fused c_attn output
+    )  # fmt: skip
+
+
+def _cache_strides(s: Shape) -> dict[str, tuple[str, int]]:
+    Hkv, D, BS = s.kv_heads, s.head_dim, s.block_size
+    return dict(stride_cache_block=i32(BS * Hkv * D), stride_cache_slot=i32(Hkv * D), stride_cache_head=i32(D))
+
+
+def _q_and_tables_bytes(s: Shape) -> int:
+    return s.batch * s.n_head * s.head_dim * DTYPE_BYTES[s.dtype] + s.batch * (s.max_blocks + 1) * 4
+
+
+PREFILL_PROMPTS, PREFILL_BLOCK_M = 4, 64  # a prefill launch: 4 whole prompts of the model's context
+
+
+def _prefill_bytes(s: Shape) -> int:  # q and out of every prompt token, and K/V of every context read once
+    tokens = PREFILL_PROMPTS * s.n_ctx
+    heads = 2 * s.n_head + 2 * s.kv_heads  # q and out: H heads; K and V: Hkv
+    return tokens * heads * s.head_dim * DTYPE_BYTES[s.dtype] + PREFILL_PROMPTS * (s.max_blocks + 2) * 4
+
+
+COPY_PAIRS = 64  # a copy_blocks launch: 64 (src, dst) pairs, e.g. 64 forked sequences writing into shared blocks
+
+
+def _block_numel(s: Shape) -> int:  # elements of one block of one pool
+    return s.block_size * s.kv_heads * s.head_dim
+
+
+KERNELS: dict[str, Kernel] = {
+    # reshape_and_cache: one decode step writes one new token per sequence
+    "_write_kv_kernel": Kernel(
+        args=lambda s: dict(
+            key_ptr=ptr(s.dtype),
+            value_ptr=ptr(s.dtype),
+            k_cache_ptr=ptr(s.dtype),
+            v_cache_ptr=ptr(s.dtype),
+            slot_mapping_ptr=ptr("i64"),
+            stride_kn=i32(s.qkv_width),  # K and V are views into c_attn's fused output
+            stride_kh=i32(s.head_dim),
+            stride_vn=i32(s.qkv_width),
+            stride_vh=i32(s.head_dim),
+            **_cache_strides(s),
+            num_heads=int_arg(s.kv_heads),  # the pool's heads
+            BLOCK_SIZE=const(s.block_size),
+            HEAD_DIM=const(s.head_dim),
+            HEADS_POW2=const(triton.next_power_of_2(s.kv_heads)),
+        ),
+        grid=lambda s: (s.batch,),
+        bytes_read=lambda s: 2 * s.batch * s.kv_heads * s.head_dim * DTYPE_BYTES[s.dtype] + s.batch * 8,
+    ),
+    # decode attention, one program per (sequence, head)
+    "_paged_attention_kernel": Kernel(
+        args=lambda s: dict(
+            out_ptr=ptr(s.dtype),
+            **_decode_args(s),
+            stride_ob=i32(s.n_head * s.head_dim),
+            stride_oh=i32(s.head_dim),
+            stride_table=i32(s.max_blocks),
+            **_cache_strides(s),
+            BLOCK_SIZE=const(s.block_size),
+            HEAD_DIM=const(s.head_dim),
+        ),
+        grid=lambda s: (s.batch, s.n_head),
+        bytes_read=lambda s: _kv_bytes(s) + _q_and_tables_bytes(s),
+    ),
+    # split-K decode attention: S programs per (sequence, head), partial results to fp32 scratch
+    "_paged_attention_split_kernel": Kernel(
+        args=lambda s: dict(
+            m_ptr=ptr("fp32"),
+            l_ptr=ptr("fp32"),
+            acc_ptr=ptr("fp32"),
+            **_decode_args(s),
+            stride_table=i32(s.max_blocks),
+            **_cache_strides(s),
+            BLOCK_SIZE=const(s.block_size),
+            HEAD_DIM=const(s.head_dim),
+        ),
+        grid=lambda s: (s.batch, s.n_head, s.splits),
+        bytes_read=lambda s: _kv_bytes(s) + _q_and_tables_bytes(s),
+    ),
+    # merges the S partial softmaxes of each (sequence, head)
+    "_reduce_splits_kernel": Kernel(
+        args=lambda s: dict(
+            out_ptr=ptr(s.dtype),
+            m_ptr=ptr("fp32"),
+            l_ptr=ptr("fp32"),
+            acc_ptr=ptr("fp32"),
+            stride_ob=i32(s.n_head * s.head_dim),
+            stride_oh=i32(s.head_dim),
+            num_splits=i32(s.splits),
+            SPLITS_POW2=const(triton.next_power_of_2(s.splits)),
+            HEAD_DIM=const(s.head_dim),
+        ),
+        grid=lambda s: (s.batch, s.n_head),
+        bytes_read=lambda s: s.batch * s.n_head * s.splits * (s.head_dim + 2) * 4,
+    ),
+    # prefill attention (stage 09): a tile of BLOCK_M queries of one prompt against its whole paged context
+    "_prefill_attention_kernel": Kernel(
+        args=lambda s: dict(
+            out_ptr=ptr(s.dtype),
+            q_ptr=ptr(s.dtype),
+            k_cache_ptr=ptr(s.dtype),
+            v_cache_ptr=ptr(s.dtype),
+            block_tables_ptr=ptr("i32"),
+            query_start_loc_ptr=ptr("i32"),
+            seq_lens_ptr=ptr("i32"),
+            scale=f32(),
+            num_queries_per_kv=int_arg(s.group),
+            stride_qn=i32(s.qkv_width),  # q is a view into the fused c_attn output
+            stride_qh=i32(s.head_dim),
+            stride_on=i32(s.n_head * s.head_dim),
+            stride_oh=i32(s.head_dim),
+            stride_table=i32(s.max_blocks),
+            **_cache_strides(s),
+            BLOCK_SIZE=const(s.block_size),
+            HEAD_DIM=const(s.head_dim),
+            BLOCK_M=const(PREFILL_BLOCK_M),
+            BLOCK_N=const(max(16, min(s.block_size, 64))),  # as prefill_attention_triton picks them
+            DOT_PRECISION=const("tf32"),  # fp16 runs on the tensor cores
+        ),
+        grid=lambda s: (PREFILL_PROMPTS, s.n_head, triton.cdiv(s.n_ctx, PREFILL_BLOCK_M)),
+        bytes_read=_prefill_bytes,
+    ),
+    # copy-on-write: COPY_PAIRS block copies in every layer's K and V pool, one launch for all layers
+    "_copy_blocks_kernel": Kernel(
+        args=lambda s: dict(
+            cache_ptrs_ptr=ptr("i64"),
+            block_mapping_ptr=ptr("i64"),
+            numel_per_block=i32(_block_numel(s)),
+            DTYPE=const(TL_DTYPES[s.dtype]),
+            TILE=const(triton_copy._tile_for(_block_numel(s))),  # as copy_blocks_triton picks it
+        ),
+        grid=lambda s: (COPY_PAIRS, s.n_layer, triton.cdiv(_block_numel(s), triton_copy._tile_for(_block_numel(s)))),
+        bytes_read=lambda s: (
+            2 * s.n_layer * COPY_PAIRS * _block_numel(s) * DTYPE_BYTES[s.dtype] + COPY_PAIRS * 16 + s.n_layer * 16
+        ),  # the src blocks, the pairs, the pointer table
+    ),
+}
+
+
+def launched_kernels() -> set[str]:
+    """The @triton.jit functions that roseinfer's kernel files launch (`name[grid](...)`)."""
+    source = "".join(Path(m.__file__).read_text() for m in MODULES)
+    return set(re.findall(r"^\s+(_\w+)\[(?:\(|grid\])", source, flags=re.MULTILINE))
