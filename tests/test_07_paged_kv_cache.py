@@ -71,7 +71,7 @@ class _HandDriver:
             req = self.reqs[rid]
             n = req.num_tokens - req.num_computed_tokens
             assert self.kv.allocate_slots(rid, n)
-            self.view.book(req, n, so)
+            self.view.add_scheduled(req, n, so)
             req.num_computed_tokens += n
         out = self.runner.execute_model(so)
         assert sorted(out.req_ids) == sorted(rids)  # every request reached its end: one token each

@@ -36,7 +36,7 @@ class RunnerView:
         out.forks, out.finished_req_ids = self.forks, self.finished_ids
         self.forks, self.finished_ids = [], set()
 
-    def book(self, req: Request, n: int, out: SchedulerOutput) -> None:
+    def add_scheduled(self, req: Request, n: int, out: SchedulerOutput) -> None:
         """What the runner is told about a request scheduled for `n` tokens this step."""
         rid, kv = req.request_id, self.kv
         out.num_scheduled_tokens[rid] = n
