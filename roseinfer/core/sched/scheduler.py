@@ -15,7 +15,8 @@ cache), and each step hands out at most `max_num_batched_tokens` tokens of work:
      tokens are left and their slots can be booked with `watermark_blocks` still free (else wait: nobody
      overtakes). A prompt longer than the tokens left is cut, with chunked prefill; the longest run of its
      first full blocks that the prefix cache holds is shared, and it starts past them;
-  4. the result is a `SchedulerOutput` (roseinfer/core/sched/output.py): data for the model runner. After the
+  4. the result is a `SchedulerOutput` (roseinfer/core/sched/output.py): data for the model runner, with the
+     block copies and table changes that the KV cache manager's calls returned (`KVCacheBlocks`). After the
      runner has run it, `update_from_output` appends the tokens it sampled and checks the stops that need
      no text (EOS, stop token ids, max_tokens, the context).
 
@@ -133,7 +134,7 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work (see the module docstring)."""
-        kv, budget = self.kv_cache_manager, self.max_num_batched_tokens
+        budget = self.max_num_batched_tokens
         out = SchedulerOutput()
         self.runner_view.start_step(out)
         if self.async_scheduling:  # its outputs arrive after the next schedule: a finished id may be reused by then
@@ -163,22 +164,30 @@ class Scheduler:
             budget -= n
             i += 1 + self._schedule_tokens(req, n, out)  # (past the sequences it forked into: they sampled now)
         self._admit(budget, out)
-        out.blocks_to_copy, kv.blocks_to_copy = kv.blocks_to_copy, []  # copy-on-write, before the forward
         return out
 
     def _allocate_slots(
         self, req: Request, n: int, out: SchedulerOutput, block_hashes=(), cached_blocks=(), keep_free: int = 0
     ) -> bool:
-        """Allocate a request's slots for `n` tokens, with the draft model's lookahead when the pool has room."""
+        """Allocate a request's slots for `n` tokens, with the draft model's lookahead when the pool has room.
+        What the KV cache manager did goes into this step: its copy-on-write pairs, and its table change to the
+        runner view (the runner learns it when the request is scheduled)."""
         kv, rid = self.kv_cache_manager, req.request_id
         if self.prefix_caching and not block_hashes:
             block_hashes = req.block_hashes
             if (req.num_computed_tokens + n) // kv.block_size > len(block_hashes):
                 block_hashes = req.update_block_hashes(kv.block_size)
-        ahead = self.lookahead if req.speculates else 0
-        if ahead and kv.allocate_slots(rid, n, block_hashes, cached_blocks, keep_free, ahead):
-            return True
-        return kv.allocate_slots(rid, n, block_hashes, cached_blocks, keep_free)
+        blocks = None
+        if self.lookahead and req.speculates:
+            blocks = kv.allocate_slots(rid, n, block_hashes, cached_blocks, keep_free, self.lookahead)
+        if blocks is None:
+            blocks = kv.allocate_slots(rid, n, block_hashes, cached_blocks, keep_free)
+            if blocks is None:
+                return False
+        if blocks.copies:
+            out.blocks_to_copy += blocks.copies  # copy-on-write, before the forward
+        self.runner_view.record_blocks(rid, blocks)
+        return True
 
     def _schedule_group(self, i: int, budget: int, out: SchedulerOutput) -> tuple[int, int]:
         """The running sequences of one request (side by side in `running` from index i): allocated together, or
@@ -323,10 +332,12 @@ class Scheduler:
         return outputs
 
     def _count_accepted(self, req: Request, num_drafts: int, accepted: int) -> None:
-        """Speculation: the target kept `accepted` of the request's drafts; the K/V of the rest are not its tokens."""
+        """Speculation: the target kept `accepted` of the request's drafts; the K/V of the rest are not its tokens
+        (their blocks go back, and the runner learns the shorter table at the request's next step)."""
         self.spec_decoding_stats.observe(num_drafts, accepted)
         req.num_computed_tokens -= num_drafts - accepted
-        self.kv_cache_manager.trim(req.request_id, req.num_computed_tokens, self.lookahead)
+        blocks = self.kv_cache_manager.trim(req.request_id, req.num_computed_tokens, self.lookahead)
+        self.runner_view.record_blocks(req.request_id, blocks)
 
     # ---- beam search: the engine core picks the beams, the scheduler keeps the books -----------------
     def fork_request(self, parent: Request) -> Request:
@@ -373,7 +384,7 @@ class Scheduler:
         self.running[:] = [r for r in self.running if id(r) not in members]
         for s in reversed(victims):  # so that they stand in their order at the front of their queue
             s.spec_token_ids = []  # guesses for a step that will not come
-            self.runner_view.resumed.add(s.request_id)
+            self.runner_view.preempt(s.request_id)  # its next step sends a whole table
             if swap:
                 self.swapped.appendleft(s)
                 continue
