@@ -15,10 +15,10 @@ cache), and each step hands out at most `max_num_batched_tokens` tokens of work:
      tokens are left and their slots can be booked with `watermark_blocks` still free (else wait: nobody
      overtakes). A prompt longer than the tokens left is cut, with chunked prefill; the longest run of its
      first full blocks that the prefix cache holds is shared, and it starts past them;
-  4. the result is a `SchedulerOutput` (roseinfer/core/sched/output.py): data for the model runner, with the
-     block copies and table changes that the KV cache manager's calls returned (`KVCacheBlocks`). After the
-     runner has run it, `update_from_output` appends the tokens it sampled and checks the stops that need
-     no text (EOS, stop token ids, max_tokens, the context).
+  4. the result is a `SchedulerOutput` (roseinfer/core/sched/output.py), numbered by its `step_id`: data for
+     the model runner, with the block copies and table changes that the KV cache manager's calls returned
+     (`KVCacheBlocks`). After the runner has run it, `update_from_output` appends the tokens it sampled and
+     checks the stops that need no text (EOS, stop token ids, max_tokens, the context).
 
         budget 64, running A B (decoding), C (prompt of 100, 48 computed), waiting D (prompt 30)
         step:  A 1 · B 1 · C 52 (its rest) · D 10 (a first chunk)     = 64 tokens, one forward
@@ -66,7 +66,8 @@ class Scheduler:
         self.prefix_cache_hits = 0  # ... and found there
         self.spec_decoding_stats = SpecDecodingStats()
         self.runner_view = RunnerView(kv_cache_manager)  # what the runner holds: each step sends only changes
-        self._in_flight: dict[int, dict[str, Request]] = {}  # async scheduling: each step in flight's requests
+        self.next_step_id = 0
+        self._in_flight: dict[int, dict[str, Request]] = {}  # async scheduling: step id -> the requests it scheduled
 
     # ---- requests in and out ---------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -135,10 +136,11 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work (see the module docstring)."""
         budget = self.max_num_batched_tokens
-        out = SchedulerOutput()
+        out = SchedulerOutput(step_id=self.next_step_id)
+        self.next_step_id += 1
         self.runner_view.start_step(out)
         if self.async_scheduling:  # its outputs arrive after the next schedule: a finished id may be reused by then
-            self._in_flight[id(out)] = {}
+            self._in_flight[out.step_id] = {}
         running, i = self.running, 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -257,7 +259,7 @@ class Scheduler:
         forked into."""
         self.runner_view.add_scheduled(req, n, out)
         if self.async_scheduling:
-            self._in_flight[id(out)][req.request_id] = req
+            self._in_flight[out.step_id][req.request_id] = req
         if n > 1 and req.spec_token_ids:
             drafts = n - (req.num_tokens - req.num_computed_tokens)  # scheduled beyond its own tokens
             if drafts > 0:
@@ -283,7 +285,7 @@ class Scheduler:
             self.running.insert(at + i - 1, child)
             out.forks.append(self.runner_view.fork(req, child, sample_now=True))
             if self.async_scheduling:
-                self._in_flight[id(out)][child.request_id] = child
+                self._in_flight[out.step_id][child.request_id] = child
         return req.sampling_params.n - 1
 
     def update_from_output(
@@ -294,7 +296,7 @@ class Scheduler:
         output processor needs, one entry per sequence that got tokens."""
         outputs, finished, out = [], [], model_runner_output
         spec, proposed = scheduler_output.scheduled_spec_decode_tokens, out.spec_token_ids
-        scheduled = self._in_flight.pop(id(scheduler_output), None)  # async: what that step scheduled
+        scheduled = self._in_flight.pop(scheduler_output.step_id, None)  # async: what that step scheduled
         logprobs, prompt_logprobs = out.logprobs, out.prompt_logprobs
         for rid, tokens in zip(out.req_ids, out.sampled_token_ids, strict=True):
             req = self.requests.get(rid)
@@ -359,11 +361,11 @@ class Scheduler:
 
     def reorder_group(self, group: RequestGroup) -> None:
         """Put a group's running sequences side by side in `running`, in the group's order (best beam first)."""
-        members = {id(s) for s in group.seqs}
-        at = next((i for i, r in enumerate(self.running) if id(r) in members), None)
+        members = set(group.seqs)  # the Request objects themselves (a set by identity)
+        at = next((i for i, r in enumerate(self.running) if r in members), None)
         if at is None:
             return
-        rest = [r for r in self.running if id(r) not in members]
+        rest = [r for r in self.running if r not in members]
         here = [s for s in group.seqs if s in self.running]
         self.running[:] = rest[:at] + here + rest[at:]
 
@@ -380,8 +382,8 @@ class Scheduler:
         if swap:  # K/V to the host pool; everything computed is kept
             out.blocks_to_swap_out += kv.swap_out(ids)
             self.num_swapped_out += 1
-        members = {id(s) for s in victims}
-        self.running[:] = [r for r in self.running if id(r) not in members]
+        members = set(victims)
+        self.running[:] = [r for r in self.running if r not in members]
         for s in reversed(victims):  # so that they stand in their order at the front of their queue
             s.spec_token_ids = []  # guesses for a step that will not come
             self.runner_view.preempt(s.request_id)  # its next step sends a whole table
