@@ -11,6 +11,7 @@ from roseinfer import EngineArgs, SamplingParams
 from roseinfer.config import SchedulerConfig
 from roseinfer.core.kv_cache_manager import KVCacheManager
 from roseinfer.core.request import Request
+from roseinfer.core.sched.runner_view import RunnerView
 from roseinfer.core.sched.scheduler import Scheduler
 
 
@@ -56,15 +57,24 @@ def test_allocate_slots_ok_later_never():
         sched.check_fits(Request("never", list(range(1, 13)), greedy, 4095, 512))  # 12 + 1 tokens: 4 blocks
 
 
+def _allocate(bm: KVCacheManager, view: RunnerView, sid: str, n: int):
+    """allocate_slots, and what it did to the table recorded for the runner (as the scheduler does)."""
+    blocks = bm.allocate_slots(sid, n)
+    if blocks is not None:
+        view.record_blocks(sid, blocks)
+    return blocks
+
+
 def test_allocate_slots_builds_a_block_table():
     bm = KVCacheManager(block_size=4, num_blocks=8)
-    assert bm.allocate_slots("a", 9)
+    view = RunnerView(bm)
+    assert _allocate(bm, view, "a", 9)
     table = bm.get_block_table("a")
     assert len(table) == 3 and len(set(table)) == 3
     assert bm.block_tables["a"] == table and bm.num_tokens["a"] == 9
     assert bm.fill_levels("a") == [4, 4, 1]
-    assert bm.take_block_update("a") == (0, table)  # the runner learns the new table once
-    assert bm.take_block_update("a") is None
+    assert view.pop_block_update("a") == (0, table)  # the runner learns the new table once
+    assert view.pop_block_update("a") is None
     with pytest.raises(ValueError, match="already"):  # a table is created once: no second admission
         bm.allocate_slots("a", 1, cached_blocks=[table[0]])
     with pytest.raises(ValueError, match="already"):
@@ -76,13 +86,14 @@ def test_allocate_slots_builds_a_block_table():
 
 def test_growth_fills_the_last_block_then_takes_a_new_one():
     bm = KVCacheManager(block_size=4, num_blocks=3)
-    assert bm.allocate_slots("a", 3)
-    bm.take_block_update("a")
-    assert bm.allocate_slots("a", 1)  # 4th slot of block 0
-    assert bm.fill_levels("a") == [4] and bm.take_block_update("a") is None  # no new block
-    assert bm.allocate_slots("a", 1)  # 5th token: a new block
+    view = RunnerView(bm)
+    assert _allocate(bm, view, "a", 3)
+    view.pop_block_update("a")
+    assert _allocate(bm, view, "a", 1)  # 4th slot of block 0
+    assert bm.fill_levels("a") == [4] and view.pop_block_update("a") is None  # no new block
+    assert _allocate(bm, view, "a", 1)  # 5th token: a new block
     new = bm.get_block_table("a")[-1]
-    assert len(bm.get_block_table("a")) == 2 and bm.take_block_update("a") == (1, [new])  # just the new block
+    assert len(bm.get_block_table("a")) == 2 and view.pop_block_update("a") == (1, [new])  # just the new block
     assert bm.fill_levels("a") == [4, 1]
     assert bm.allocate_slots("b", 4)  # takes the last free block
     for _ in range(3):
@@ -133,7 +144,7 @@ def test_random_allocate_grow_free_keeps_the_books(block_size, num_blocks, ops):
         free_before = bm.num_free_blocks
         if op == "alloc" and sid not in lengths:  # a new sequence with an n-token prompt
             ok = blocks(n) <= free_before
-            assert bm.allocate_slots(sid, n) is ok
+            assert (bm.allocate_slots(sid, n) is not None) is ok
             if ok:
                 lengths[sid] = n
             else:
@@ -141,7 +152,7 @@ def test_random_allocate_grow_free_keeps_the_books(block_size, num_blocks, ops):
         elif op in ("append", "extend") and sid in lengths:  # a decode token, or an n-token chunk
             k = 1 if op == "append" else n
             ok = blocks(lengths[sid] + k) - blocks(lengths[sid]) <= free_before
-            assert bm.allocate_slots(sid, k) is ok
+            assert (bm.allocate_slots(sid, k) is not None) is ok
             if ok:
                 lengths[sid] += k
             else:

@@ -70,8 +70,11 @@ class _HandDriver:
         for rid in rids:
             req = self.reqs[rid]
             n = req.num_tokens - req.num_computed_tokens
-            assert self.kv.allocate_slots(rid, n)
-            self.view.book(req, n, so)
+            blocks = self.kv.allocate_slots(rid, n)
+            assert blocks
+            so.blocks_to_copy += blocks.copies
+            self.view.record_blocks(rid, blocks)
+            self.view.add_scheduled(req, n, so)
             req.num_computed_tokens += n
         out = self.runner.execute_model(so)
         assert sorted(out.req_ids) == sorted(rids)  # every request reached its end: one token each

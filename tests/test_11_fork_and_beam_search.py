@@ -110,10 +110,9 @@ class ForkMachine(RuleBasedStateMachine):
         self.content: dict[int, list[int | None]] = {}
         self.n = 0
 
-    def _apply_copies(self):
-        for src, dst in self.bm.blocks_to_copy:
+    def _apply_copies(self, blocks):
+        for src, dst in blocks.copies:
             self.content[dst] = list(self.content.get(src, [None] * BS))
-        self.bm.blocks_to_copy.clear()
 
     def _write(self, sid, start, end):
         table = self.bm.block_tables[sid]
@@ -132,8 +131,8 @@ class ForkMachine(RuleBasedStateMachine):
     def grow(self, data, grow):
         sid = data.draw(st.sampled_from(sorted(self.seqs)))
         old = len(self.seqs[sid])
-        if self.bm.allocate_slots(sid, grow):
-            self._apply_copies()  # the runner copies before the forward writes
+        if blocks := self.bm.allocate_slots(sid, grow):
+            self._apply_copies(blocks)  # the runner copies before the forward writes
             self.seqs[sid] += [hash((sid, old + i)) % 1000 for i in range(grow)]
             self._write(sid, old, old + grow)
 

@@ -55,9 +55,9 @@ class SwapMachine(t11.ForkMachine):
         sid = data.draw(st.sampled_from(sorted(self.seqs)))
         need, free = self.bm.blocks_needed([(sid, grow)]), self.bm.num_free_blocks
         old = len(self.seqs[sid])
-        if self.bm.allocate_slots(sid, grow):
+        if blocks := self.bm.allocate_slots(sid, grow):
             assert free - self.bm.num_free_blocks == need
-            self._apply_copies()
+            self._apply_copies(blocks)
             self.seqs[sid] += [hash((sid, old + i)) % 1000 for i in range(grow)]
             self._write(sid, old, old + grow)
         else:

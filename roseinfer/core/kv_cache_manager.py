@@ -28,9 +28,12 @@ pairs whose K/V the runner copies before the next forward. Blocks the sequences 
     swap_out(["r", "r#1"])   device tables r [7, 2, 9]  r#1 [7, 2, 4]   ->  host r [0, 1, 2]  r#1 [0, 1, 3]
                              pairs (7, 0) (2, 1) (9, 2) (4, 3): 4 blocks move, not 6
 
-The runner keeps its own copy of every table. Each change is recorded as "this table changed from block
-index j on", and `take_block_update` hands the runner just that tail: one new block id when a decode
-crosses a block boundary, nothing at all for most steps, a whole table after a swap-in.
+The runner keeps its own copy of every table, so each call that changes a table says what it did, as vLLM's
+`allocate_slots` does: a `KVCacheBlocks` with the blocks it took, the table index from which the table
+changed, and the copy-on-write pairs. The scheduler puts the copies into the step it is building and its
+runner view (roseinfer/core/sched/runner_view.py) remembers the change until the request is next scheduled,
+when the runner gets just the table's changed tail: one new block id when a decode crosses a block boundary,
+nothing at all for most steps. This class keeps no record of what anyone has been told.
 """
 
 from __future__ import annotations
@@ -39,6 +42,25 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from roseinfer.core.block_pool import BlockPool, FreeBlockQueue
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheBlocks:
+    """What one `allocate_slots` or `trim` did to a sequence's block table (vLLM's KVCacheBlocks).
+
+        decode into its own block                  KVCacheBlocks()                              (most steps)
+        decode crosses into a new block            new_block_ids (12,)   changed_from 3
+        decode writes into a block a fork shares   new_block_ids (5,)    changed_from 2   copies ((9, 5),)
+        trim gives back 2 of 5 blocks              new_block_ids ()      changed_from 3
+
+    The scheduler moves `copies` into the step it is building and gives `changed_from` to its runner view."""
+
+    new_block_ids: tuple[int, ...] = ()  # blocks taken from the free queue (a copy-on-write copy included)
+    changed_from: int | None = None  # the first table index whose block changed (None: the table is as it was)
+    copies: tuple[tuple[int, int], ...] = ()  # copy-on-write (src, dst): dst gets src's K/V before the forward
+
+
+NO_CHANGE = KVCacheBlocks()  # the common decode step: it fits in the blocks the sequence holds
 
 
 @dataclass(frozen=True)
@@ -89,12 +111,10 @@ class KVCacheManager:
         self.block_tables: dict[str, list[int]] = {}  # seq id -> physical block ids
         self.num_tokens: dict[str, int] = {}  # seq id -> token slots in use
         self.num_hashed_blocks: dict[str, int] = {}  # seq id -> its first blocks offered to the prefix cache
-        self.blocks_to_copy: list[tuple[int, int]] = []  # copy-on-write (src, dst) pairs the next forward must do
         self.num_cpu_blocks = num_cpu_blocks
         self.watermark_blocks = int(watermark * num_blocks)  # as vLLM: 1% of a pool of 1,000 blocks keeps 10 free
         self.cpu_pool = BlockPool(num_cpu_blocks)
         self.cpu_tables: dict[str, list[int]] = {}  # swapped-out seq id -> host block ids
-        self._changed_from: dict[str, int] = {}  # seq id -> first table index changed since the runner last saw it
 
     @property
     def free_block_ids(self) -> FreeBlockQueue:
@@ -139,12 +159,13 @@ class KVCacheManager:
         cached_blocks: Sequence[int] = (),
         keep_free: int = 0,
         lookahead: int = 0,
-    ) -> bool:
+    ) -> KVCacheBlocks | None:
         """Make room for `num_new_tokens` more tokens (a decode token, drafts to verify, or a prompt chunk),
         taking whole blocks as needed; a sequence seen for the first time gets a new table, which starts with
-        `cached_blocks` (a prefix-cache hit, shared, its tokens counted as in use).
+        `cached_blocks` (a prefix-cache hit, shared, its tokens counted as in use). Returns what it did to the
+        table (`KVCacheBlocks`): a new table has changed from index 0 on.
 
-        All or nothing: if the free blocks do not cover the growth, nothing is taken and the answer is False
+        All or nothing: if the free blocks do not cover the growth, nothing is taken and the answer is None
         (the scheduler then preempts someone, or waits). `block_hashes` are the sequence's full-block hashes:
         blocks that are full once this step has run are offered to the cache. `keep_free` (the watermark at
         admission): succeed only if that many blocks stay free. `lookahead`: blocks for that many more slots
@@ -162,7 +183,7 @@ class KVCacheManager:
                 self.num_tokens[seq_id] = total
                 if block_hashes and total // bs > self.num_hashed_blocks[seq_id]:
                     self._cache_full_blocks(seq_id, table, total, block_hashes)
-                return True
+                return NO_CHANGE
         if table is None:
             have, held = len(cached_blocks) * bs, len(cached_blocks)
         elif cached_blocks:
@@ -171,30 +192,35 @@ class KVCacheManager:
             have, held = self.num_tokens[seq_id], len(table)
         need = max(0, -(-(have + num_new_tokens + lookahead) // bs) - held)
         # the next token goes into a partly filled block that a forked sibling also holds: copy it first
-        at = have // bs
-        copy_on_write = table is not None and have % bs != 0 and pool.ref_count[table[at]] > 1
+        write_index = have // bs
+        copy_on_write = table is not None and have % bs != 0 and pool.ref_count[table[write_index]] > 1
         reviving = sum(pool.ref_count[b] == 0 for b in cached_blocks) if cached_blocks else 0  # leave the free queue
         if need + reviving + copy_on_write + keep_free > len(pool.free):
-            return False
+            return None
+        new_block_ids, changed_from, copies = [], None, ()
         if copy_on_write:  # write into a copy of our own; the siblings keep the original
             fresh = pool.get_free_block()
-            self.blocks_to_copy.append((table[at], fresh))
-            pool.free_block(table[at])
-            table[at] = fresh
-            self._changed(seq_id, at)
+            copies = ((table[write_index], fresh),)
+            pool.free_block(table[write_index])
+            table[write_index] = fresh
+            new_block_ids.append(fresh)
+            changed_from = write_index
         if table is None:
             for block in cached_blocks:  # first, so that taking new blocks cannot evict them
                 pool.touch(block)
             table = self.block_tables[seq_id] = list(cached_blocks)
             self.num_hashed_blocks[seq_id] = len(cached_blocks)
-            self._changed_from[seq_id] = 0
+            changed_from = 0
         if need:
-            self._changed(seq_id, len(table))
-            table.extend(pool.get_free_block() for _ in range(need))
+            if changed_from is None:
+                changed_from = len(table)
+            grown = [pool.get_free_block() for _ in range(need)]
+            table += grown
+            new_block_ids += grown
         total = self.num_tokens[seq_id] = have + num_new_tokens
         if block_hashes and total // bs > self.num_hashed_blocks[seq_id]:
             self._cache_full_blocks(seq_id, table, total, block_hashes)
-        return True
+        return KVCacheBlocks(tuple(new_block_ids), changed_from, copies)
 
     def _cache_full_blocks(self, seq_id: str, table: list[int], total: int, block_hashes: Sequence[bytes]) -> None:
         """Offer the blocks that are full once this step has run to the prefix cache."""
@@ -231,36 +257,22 @@ class KVCacheManager:
         self.num_tokens[child_id] = self.num_tokens[parent_id]
         self.num_hashed_blocks[child_id] = self.num_hashed_blocks.get(parent_id, 0)
 
-    def trim(self, seq_id: str, num_tokens: int, lookahead: int = 0) -> None:
+    def trim(self, seq_id: str, num_tokens: int, lookahead: int = 0) -> KVCacheBlocks:
         """Keep the first `num_tokens` slots (and blocks for `lookahead` more) and give back the blocks after
         them: the slots of draft tokens the target rejected. Their K/V stay behind in the kept blocks, to be
-        overwritten by the next tokens (nothing reads past a sequence's length)."""
+        overwritten by the next tokens (nothing reads past a sequence's length). Returns what it did: a table
+        that lost its tail has changed from the first block it lost on."""
         table = self.block_tables[seq_id]
         if num_tokens > self.num_tokens[seq_id]:
             raise ValueError(f"cannot trim {seq_id!r} to {num_tokens} tokens: it holds {self.num_tokens[seq_id]}")
-        keep = self.blocks_for(num_tokens + lookahead)
-        if keep < len(table):
-            for block in reversed(table[keep:]):
-                self.pool.free_block(block)
-            del table[keep:]
-            self._changed(seq_id, keep)
         self.num_tokens[seq_id] = num_tokens
-
-    # ---- what the model runner must learn ------------------------------------------
-    def _changed(self, seq_id: str, index: int) -> None:
-        old = self._changed_from.get(seq_id)
-        if old is None or index < old:
-            self._changed_from[seq_id] = index
-
-    def take_block_update(self, seq_id: str) -> tuple[int, list[int]] | None:
-        """(j, table[j:]) if the sequence's table changed from index j on since the last call, else None."""
-        j = self._changed_from.pop(seq_id, None)
-        return None if j is None else (j, self.block_tables[seq_id][j:])
-
-    def take_block_table(self, seq_id: str) -> list[int]:
-        """The whole table, and the runner is up to date with it (a new or forked sequence)."""
-        self._changed_from.pop(seq_id, None)
-        return list(self.block_tables[seq_id])
+        keep = self.blocks_for(num_tokens + lookahead)
+        if keep >= len(table):
+            return NO_CHANGE
+        for block in reversed(table[keep:]):
+            self.pool.free_block(block)
+        del table[keep:]
+        return KVCacheBlocks(changed_from=keep)
 
     # ---- swapping ------------------------------------------------------------------
     def can_swap_out(self, seq_ids: Sequence[str]) -> bool:
@@ -268,8 +280,6 @@ class KVCacheManager:
 
     def swap_out(self, seq_ids: Sequence[str]) -> list[tuple[int, int]]:
         """Move the sequences' blocks to host blocks and free the device ones. Returns (device, host) pairs."""
-        for s in seq_ids:
-            self._changed_from.pop(s, None)
         return self._move(seq_ids, self.block_tables, self.pool, self.cpu_tables, self.cpu_pool)
 
     def can_swap_in(self, seq_ids: Sequence[str], headroom: int = 0) -> bool:
@@ -279,11 +289,9 @@ class KVCacheManager:
 
     def swap_in(self, seq_ids: Sequence[str]) -> list[tuple[int, int]]:
         """Move the sequences back onto fresh device blocks. Returns (host, device) pairs. The blocks that come
-        back are private: they are not offered to the prefix cache again."""
-        pairs = self._move(seq_ids, self.cpu_tables, self.cpu_pool, self.block_tables, self.pool)
-        for s in seq_ids:
-            self._changed_from[s] = 0
-        return pairs
+        back are private: they are not offered to the prefix cache again. Each table is new to the runner (the
+        scheduler sends it whole)."""
+        return self._move(seq_ids, self.cpu_tables, self.cpu_pool, self.block_tables, self.pool)
 
     @staticmethod
     def _move(seq_ids, src_tables, src_pool: BlockPool, dst_tables, dst_pool: BlockPool) -> list[tuple[int, int]]:
@@ -309,7 +317,6 @@ class KVCacheManager:
             self.cpu_pool.free_block(block)
         self.num_tokens.pop(seq_id, None)
         self.num_hashed_blocks.pop(seq_id, None)
-        self._changed_from.pop(seq_id, None)
 
     def forget_unheld_prefixes(self, blocks) -> None:
         """Drop these blocks from the prefix cache where no table holds them any more: a failed request's blocks,

@@ -6,6 +6,9 @@ what changed. Nothing here is a live object of the other side: ids, numbers and 
 message can be pickled to another process (tensor parallelism) or read by a test.
 
     SchedulerOutput
+      step_id                7                    which step this is (the scheduler counts 0, 1, 2, ...): with
+                                                  async scheduling its outputs come back a step later, and
+                                                  the scheduler finds what it scheduled by this number
       scheduled_new_reqs     [NewRequestData]     first time the runner sees them: prompt ids, params,
                                                   block table, num_computed_tokens (a prefix-cache hit
                                                   starts past its shared blocks)
@@ -78,6 +81,7 @@ class ForkedRequest:
 
 @dataclass
 class SchedulerOutput:
+    step_id: int = 0  # assigned by the scheduler, increasing
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
     scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens computed now

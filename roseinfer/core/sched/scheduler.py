@@ -15,9 +15,10 @@ cache), and each step hands out at most `max_num_batched_tokens` tokens of work:
      tokens are left and their slots can be booked with `watermark_blocks` still free (else wait: nobody
      overtakes). A prompt longer than the tokens left is cut, with chunked prefill; the longest run of its
      first full blocks that the prefix cache holds is shared, and it starts past them;
-  4. the result is a `SchedulerOutput` (roseinfer/core/sched/output.py): data for the model runner. After the
-     runner has run it, `update_from_output` appends the tokens it sampled and checks the stops that need
-     no text (EOS, stop token ids, max_tokens, the context).
+  4. the result is a `SchedulerOutput` (roseinfer/core/sched/output.py), numbered by its `step_id`: data for
+     the model runner, with the block copies and table changes that the KV cache manager's calls returned
+     (`KVCacheBlocks`). After the runner has run it, `update_from_output` appends the tokens it sampled and
+     checks the stops that need no text (EOS, stop token ids, max_tokens, the context).
 
         budget 64, running A B (decoding), C (prompt of 100, 48 computed), waiting D (prompt 30)
         step:  A 1 · B 1 · C 52 (its rest) · D 10 (a first chunk)     = 64 tokens, one forward
@@ -39,6 +40,7 @@ from collections import deque
 from roseinfer.config import SchedulerConfig
 from roseinfer.core.kv_cache_manager import KVCacheManager
 from roseinfer.core.request import Request, RequestGroup
+from roseinfer.core.sched.groups import max_num_running_seqs, num_sequences_admitted, sequences_at, tokens_per_sequence
 from roseinfer.core.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SpecDecodingStats
 from roseinfer.core.sched.runner_view import RunnerView
 
@@ -64,7 +66,8 @@ class Scheduler:
         self.prefix_cache_hits = 0  # ... and found there
         self.spec_decoding_stats = SpecDecodingStats()
         self.runner_view = RunnerView(kv_cache_manager)  # what the runner holds: each step sends only changes
-        self._booked: dict[int, dict[str, Request]] = {}  # async scheduling: each step in flight's requests
+        self.next_step_id = 0
+        self._in_flight: dict[int, dict[str, Request]] = {}  # async scheduling: step id -> the requests it scheduled
 
     # ---- requests in and out ---------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -79,7 +82,7 @@ class Scheduler:
     def check_fits(self, request: Request) -> None:
         """Raise ValueError if the request could never run: more sequences than `max_num_seqs`, or more KV
         blocks than the whole pool. Reads only fixed sizes (a server checks before queueing)."""
-        kv, seqs = self.kv_cache_manager, _max_num_seqs(request)
+        kv, seqs = self.kv_cache_manager, max_num_running_seqs(request)
         if seqs > self.max_num_seqs:
             raise ValueError(
                 f"request asks for {seqs} sequences (n / beam_width) but max_num_seqs is {self.max_num_seqs}"
@@ -132,16 +135,17 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work (see the module docstring)."""
-        kv, budget = self.kv_cache_manager, self.max_num_batched_tokens
-        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        out = SchedulerOutput(step_id=self.next_step_id)
+        self.next_step_id += 1
         self.runner_view.start_step(out)
         if self.async_scheduling:  # its outputs arrive after the next schedule: a finished id may be reused by then
-            self._booked[id(out)] = {}
+            self._in_flight[out.step_id] = {}
         running, i = self.running, 0
         while i < len(running) and budget > 0:
             req = running[i]
             if req.group is not None and len(req.group.seqs) > 1:
-                i, budget = self._schedule_unit(i, budget, out)
+                i, budget = self._schedule_group(i, budget, out)
                 continue
             n = len(req.all_token_ids) + req.num_output_placeholders - req.num_computed_tokens
             if n == 0 or (req.num_output_placeholders and req.last_token_in_flight):  # a waiting beam; or done
@@ -150,7 +154,7 @@ class Scheduler:
             n = min(n, budget)
             if req.spec_token_ids and n == 1:
                 n += min(len(req.spec_token_ids), budget - 1)
-            while not self._allocate(req, n):
+            while not self._allocate_slots(req, n, out):
                 if n > 1 and req.spec_token_ids:  # drop the drafts before preempting anyone
                     req.spec_token_ids, n = [], 1
                     continue
@@ -160,74 +164,85 @@ class Scheduler:
             if i >= len(running):
                 break  # preempted itself: everyone after it is gone too
             budget -= n
-            i += 1 + self._book(req, n, out)  # (past the sequences it forked into, if any: they sampled now)
+            i += 1 + self._schedule_tokens(req, n, out)  # (past the sequences it forked into: they sampled now)
         self._admit(budget, out)
-        out.blocks_to_copy, kv.blocks_to_copy = kv.blocks_to_copy, []  # copy-on-write, before the forward
         return out
 
-    def _allocate(self, req: Request, n: int, hashes=(), hits=(), keep: int = 0) -> bool:
-        """Book a request's slots for `n` tokens, with the draft model's lookahead when the pool has room."""
-        kv = self.kv_cache_manager
-        if self.prefix_caching and not hashes:
-            hashes = req.block_hashes
-            if (req.num_computed_tokens + n) // kv.block_size > len(hashes):
-                hashes = req.update_block_hashes(kv.block_size)
-        rid = req.request_id
-        if self.lookahead and req.speculates and kv.allocate_slots(rid, n, hashes, hits, keep, self.lookahead):
-            return True
-        return kv.allocate_slots(rid, n, hashes, hits, keep)
+    def _allocate_slots(
+        self, req: Request, n: int, out: SchedulerOutput, block_hashes=(), cached_blocks=(), keep_free: int = 0
+    ) -> bool:
+        """Allocate a request's slots for `n` tokens, with the draft model's lookahead when the pool has room.
+        What the KV cache manager did goes into this step: its copy-on-write pairs, and its table change to the
+        runner view (the runner learns it when the request is scheduled)."""
+        kv, rid = self.kv_cache_manager, req.request_id
+        if self.prefix_caching and not block_hashes:
+            block_hashes = req.block_hashes
+            if (req.num_computed_tokens + n) // kv.block_size > len(block_hashes):
+                block_hashes = req.update_block_hashes(kv.block_size)
+        blocks = None
+        if self.lookahead and req.speculates:
+            blocks = kv.allocate_slots(rid, n, block_hashes, cached_blocks, keep_free, self.lookahead)
+        if blocks is None:
+            blocks = kv.allocate_slots(rid, n, block_hashes, cached_blocks, keep_free)
+            if blocks is None:
+                return False
+        if blocks.copies:
+            out.blocks_to_copy += blocks.copies  # copy-on-write, before the forward
+        self.runner_view.record_blocks(rid, blocks)
+        return True
 
-    def _schedule_unit(self, i: int, budget: int, out: SchedulerOutput) -> tuple[int, int]:
-        """The running sequences of one request (side by side in `running` from index i): booked together,
-        or the youngest running request is preempted until they fit (or they are preempted themselves)."""
+    def _schedule_group(self, i: int, budget: int, out: SchedulerOutput) -> tuple[int, int]:
+        """The running sequences of one request (side by side in `running` from index i): allocated together, or
+        the youngest running request is preempted until they fit (or they are). Returns (next index, budget)."""
         running, kv = self.running, self.kv_cache_manager
-        unit = _unit(running, i)
-        plan = _plan(unit, budget)
-        while kv.blocks_needed([(s.request_id, n) for s, n in plan]) > kv.num_free_blocks:
+        seqs = sequences_at(running, i)
+        work = tokens_per_sequence(seqs, budget)
+        while kv.blocks_needed([(s.request_id, n) for s, n in work]) > kv.num_free_blocks:
             self._preempt(running[-1], out)
-            if unit[0] not in running:
+            if seqs[0] not in running:
                 return len(running), 0  # preempted itself: stop here
-        for s, n in plan:
-            if not self._allocate(s, n):
+        return i + len(seqs), self._schedule_all(work, budget, out)
+
+    def _schedule_all(self, work: list[tuple[Request, int]], budget: int, out: SchedulerOutput) -> int:
+        """Schedule sequences that `blocks_needed` said fit, each for its tokens. Returns the budget left."""
+        for s, n in work:
+            if not self._allocate_slots(s, n, out):
                 raise AssertionError(f"blocks_needed promised room for {s.request_id!r}")
             budget -= n
-            self._book(s, n, out)
-        return i + len(unit), budget
+            self._schedule_tokens(s, n, out)
+        return budget
 
     def _admit(self, budget: int, out: SchedulerOutput) -> None:
         """Swapped requests come back first, then waiting ones, while nothing was preempted in this step."""
         kv = self.kv_cache_manager
         while not out.preempted_req_ids and self.swapped:
-            unit = _unit(self.swapped, 0)
-            ids = [s.request_id for s in unit]
+            seqs = sequences_at(self.swapped, 0)
+            ids = [s.request_id for s in seqs]
             headroom = len(ids) + kv.watermark_blocks if self.running else 0  # alone, it fits: add_request checked
-            if len(self.running) + len(unit) > self.max_num_seqs or not kv.can_swap_in(ids, headroom):
+            if len(self.running) + len(seqs) > self.max_num_seqs or not kv.can_swap_in(ids, headroom):
                 break
             out.blocks_to_swap_in += kv.swap_in(ids)
-            for _ in unit:
+            for _ in seqs:
                 self.running.append(self.swapped.popleft())
             self.num_swapped_in += 1
-            plan = _plan(unit, budget)
-            if plan and kv.blocks_needed([(s.request_id, n) for s, n in plan]) <= kv.num_free_blocks:
-                for s, n in plan:  # else they compute next step
-                    if not self._allocate(s, n):
-                        raise AssertionError(f"blocks_needed promised room for {s.request_id!r}")
-                    budget -= n
-                    self._book(s, n, out)
+            work = tokens_per_sequence(seqs, budget)
+            if work and kv.blocks_needed([(s.request_id, n) for s, n in work]) <= kv.num_free_blocks:
+                budget = self._schedule_all(work, budget, out)  # else they compute next step
         while not out.preempted_req_ids and not self.swapped and self.waiting and budget > 0:
             req = self.waiting[0]
-            if len(self.running) + self._seats(req) > self.max_num_seqs:
+            if len(self.running) + num_sequences_admitted(req) > self.max_num_seqs:
                 break  # a request with n sequences needs n places
             hashes = req.update_block_hashes(kv.block_size) if kv.enable_prefix_caching else []
-            # a cached prefix is shared; not with prompt log-probabilities, which need every prompt position's logits
-            hits = kv.find_cached_blocks(hashes, req.num_tokens) if req.sampling_params.prompt_logprobs is None else []
-            num_cached = len(hits) * kv.block_size
+            cached = []  # a cached prefix is shared; not with prompt log-probabilities (they need every position)
+            if req.sampling_params.prompt_logprobs is None:
+                cached = kv.find_cached_blocks(hashes, req.num_tokens)
+            num_cached = len(cached) * kv.block_size
             n = req.num_tokens - num_cached
             if n > budget and not self.config.enable_chunked_prefill:
                 break  # the whole prompt does not fit this step's budget: wait for a step with room
             n = min(n, budget)
-            keep = kv.watermark_blocks if self.running else 0  # leave room for the running to grow
-            if not self._allocate(req, n, hashes or (), hits, keep):
+            keep_free = kv.watermark_blocks if self.running else 0  # leave room for the running to grow
+            if not self._allocate_slots(req, n, out, hashes or (), cached, keep_free):
                 break  # LATER: FCFS, nobody overtakes the oldest waiting request
             req.num_computed_tokens = num_cached  # the shared blocks' K/V are there: start after them
             view = self.runner_view
@@ -237,13 +252,14 @@ class Scheduler:
             self.prefix_cache_hits += num_cached
             self.running.append(self.waiting.popleft())
             budget -= n
-            self._book(req, n, out)
+            self._schedule_tokens(req, n, out)
 
-    def _book(self, req: Request, n: int, out: SchedulerOutput) -> int:
-        """Schedule `n` tokens of a request whose slots are booked. Returns how many sequences it forked into."""
-        self.runner_view.book(req, n, out)
+    def _schedule_tokens(self, req: Request, n: int, out: SchedulerOutput) -> int:
+        """Put `n` tokens of a request whose slots are allocated into this step. Returns how many sequences it
+        forked into."""
+        self.runner_view.add_scheduled(req, n, out)
         if self.async_scheduling:
-            self._booked[id(out)][req.request_id] = req
+            self._in_flight[out.step_id][req.request_id] = req
         if n > 1 and req.spec_token_ids:
             drafts = n - (req.num_tokens - req.num_computed_tokens)  # scheduled beyond its own tokens
             if drafts > 0:
@@ -269,22 +285,24 @@ class Scheduler:
             self.running.insert(at + i - 1, child)
             out.forks.append(self.runner_view.fork(req, child, sample_now=True))
             if self.async_scheduling:
-                self._booked[id(out)][child.request_id] = child
+                self._in_flight[out.step_id][child.request_id] = child
         return req.sampling_params.n - 1
 
-    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
         """After the forward: append each sampled token and check its stops; keep what speculation accepted and
         give back the slots of what it rejected; free the requests that finished. Returns what the engine's
         output processor needs, one entry per sequence that got tokens."""
-        outputs, finished = [], []
-        spec, proposed = sched.scheduled_spec_decode_tokens, out.spec_token_ids
-        booked = self._booked.pop(id(sched), None)
+        outputs, finished, out = [], [], model_runner_output
+        spec, proposed = scheduler_output.scheduled_spec_decode_tokens, out.spec_token_ids
+        scheduled = self._in_flight.pop(scheduler_output.step_id, None)  # async: what that step scheduled
         logprobs, prompt_logprobs = out.logprobs, out.prompt_logprobs
         for rid, tokens in zip(out.req_ids, out.sampled_token_ids, strict=True):
             req = self.requests.get(rid)
             if req is None or not tokens:  # gone meanwhile, or a beam (its log-probabilities go to the search)
                 continue
-            if booked is not None and booked.get(rid) is not req:
+            if scheduled is not None and scheduled.get(rid) is not req:
                 continue  # async: that request ended meanwhile and a new one took its id
             if req.num_output_placeholders:
                 req.num_output_placeholders -= 1
@@ -316,10 +334,12 @@ class Scheduler:
         return outputs
 
     def _count_accepted(self, req: Request, num_drafts: int, accepted: int) -> None:
-        """Speculation: the target kept `accepted` of the request's drafts; the K/V of the rest are not its tokens."""
+        """Speculation: the target kept `accepted` of the request's drafts; the K/V of the rest are not its tokens
+        (their blocks go back, and the runner learns the shorter table at the request's next step)."""
         self.spec_decoding_stats.observe(num_drafts, accepted)
         req.num_computed_tokens -= num_drafts - accepted
-        self.kv_cache_manager.trim(req.request_id, req.num_computed_tokens, self.lookahead)
+        blocks = self.kv_cache_manager.trim(req.request_id, req.num_computed_tokens, self.lookahead)
+        self.runner_view.record_blocks(req.request_id, blocks)
 
     # ---- beam search: the engine core picks the beams, the scheduler keeps the books -----------------
     def fork_request(self, parent: Request) -> Request:
@@ -341,25 +361,15 @@ class Scheduler:
 
     def reorder_group(self, group: RequestGroup) -> None:
         """Put a group's running sequences side by side in `running`, in the group's order (best beam first)."""
-        members = {id(s) for s in group.seqs}
-        at = next((i for i, r in enumerate(self.running) if id(r) in members), None)
+        members = set(group.seqs)  # the Request objects themselves (a set by identity)
+        at = next((i for i, r in enumerate(self.running) if r in members), None)
         if at is None:
             return
-        rest = [r for r in self.running if id(r) not in members]
+        rest = [r for r in self.running if r not in members]
         here = [s for s in group.seqs if s in self.running]
         self.running[:] = rest[:at] + here + rest[at:]
 
     # ---- preemption --------------------------------------------------------------------
-    def _seats(self, req: Request) -> int:
-        """Places in `running` a waiting request will take: n for parallel sampling, beam_width for a search
-        that has not started; a sequence of a group that was preempted comes back on its own."""
-        group = req.group
-        if group is None:
-            return req.sampling_params.n
-        if req.is_beam and req.num_output_tokens == 0 and len(group.seqs) == 1:
-            return group.num_seqs
-        return 1
-
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Preempt a request: all of its running sequences, by swapping them out when the mode says so and
         the host pool has room, else by recompute."""
@@ -367,16 +377,16 @@ class Scheduler:
         victims = [s for s in group if s in self.running]
         ids = [s.request_id for s in victims]
         kv = self.kv_cache_manager
-        mode = self.config.preemption_mode or ("swap" if _max_num_seqs(req) > 1 else "recompute")
+        mode = self.config.preemption_mode or ("swap" if max_num_running_seqs(req) > 1 else "recompute")
         swap = mode == "swap" and kv.can_swap_out(ids)
         if swap:  # K/V to the host pool; everything computed is kept
             out.blocks_to_swap_out += kv.swap_out(ids)
             self.num_swapped_out += 1
-        members = {id(s) for s in victims}
-        self.running[:] = [r for r in self.running if id(r) not in members]
+        members = set(victims)
+        self.running[:] = [r for r in self.running if r not in members]
         for s in reversed(victims):  # so that they stand in their order at the front of their queue
             s.spec_token_ids = []  # guesses for a step that will not come
-            self.runner_view.resumed.add(s.request_id)
+            self.runner_view.preempt(s.request_id)  # its next step sends a whole table
             if swap:
                 self.swapped.appendleft(s)
                 continue
@@ -385,33 +395,3 @@ class Scheduler:
             self.waiting.appendleft(s)
         out.preempted_req_ids += ids
         self.num_preemptions += 1
-
-
-def _unit(queue, i: int) -> list[Request]:
-    """The sequences of one request, side by side in a queue from index i (one, unless it has a group)."""
-    unit, group = [queue[i]], queue[i].group
-    while group is not None and i + len(unit) < len(queue) and queue[i + len(unit)].group is group:
-        unit.append(queue[i + len(unit)])
-    return unit
-
-
-def _plan(unit: list[Request], budget: int) -> list[tuple[Request, int]]:
-    """The tokens each sequence of a unit computes this step, within the budget: what it still lacks (0 for a
-    beam that waits for its siblings' log-probabilities)."""
-    plan = []
-    for s in unit:
-        n = (
-            0
-            if s.last_token_in_flight
-            else min(s.num_tokens + s.num_output_placeholders - s.num_computed_tokens, budget)
-        )
-        if n:
-            plan.append((s, n))
-            budget -= n
-    return plan
-
-
-def _max_num_seqs(req: Request) -> int:
-    """The sequences a request runs at most (vLLM's get_max_num_running_seqs): n, or the beam width."""
-    p = req.sampling_params
-    return p.beam_width if req.is_beam else p.n
