@@ -36,6 +36,10 @@ class EngineCoreClient(ABC):
         return InprocClient(config)
 
     @abstractmethod
+    def get_config(self) -> EngineConfig:
+        """The final config: the one given, with the KV pool's size that the core determined."""
+
+    @abstractmethod
     def add_request(self, request: Request) -> None:
         """Queue a request (its checks are done: see `check_fits`)."""
 
@@ -86,6 +90,9 @@ class InprocClient(EngineCoreClient):
 
     def __init__(self, config: EngineConfig):
         self.engine_core = EngineCore(config)
+
+    def get_config(self) -> EngineConfig:
+        return self.engine_core.config
 
     def add_request(self, request: Request) -> None:
         self.engine_core.add_request(request)

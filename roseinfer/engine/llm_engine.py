@@ -54,11 +54,11 @@ class LLMEngine:
 
     def _setup(self, config: EngineConfig) -> None:
         mc = config.model_config
-        self.config = config
         self.tokenizer = Tokenizer.from_model_dir(mc.model_dir, mc.vocab_size)
         self.input_processor = InputProcessor(self.tokenizer, mc.vocab_size, mc.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, mc.eos_token_ids)
         self.engine_core = EngineCoreClient.make_client(config)
+        self.config = self.engine_core.get_config()  # final: with the KV pool's size the core determined
         self.trace: list[dict] | None = None  # set to [] to record every step (notebooks, examples)
         self.last_scheduler_output: SchedulerOutput | None = None  # the latest step's message (data only)
         self.num_steps = 0

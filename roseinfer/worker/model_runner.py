@@ -310,7 +310,7 @@ class ModelRunner:
             self._draft_probs.pop(rid, None)
             if self.proposer is not None:
                 self.proposer.free(rid)
-        if failures:  # failed in an earlier step, not freed yet (async scheduling booked them again)
+        if failures.blocks:  # failed in an earlier step, not freed yet (async scheduling booked them again)
             scheduler_output = without(scheduler_output, failures.blocks)
         errors: dict[str, str] = {}
         for new in scheduler_output.scheduled_new_reqs:
@@ -336,7 +336,7 @@ class ModelRunner:
         self._cached_rows = rows = input_batch.rows(cached_reqs.req_ids)
         if cached_reqs.req_ids:
             self._update_cached(cached_reqs, rows)
-        while failures and (readers := failures.readers(spans(scheduler_output, input_batch))):  # unwritten K/V
+        while failures.blocks and (readers := failures.readers(spans(scheduler_output, input_batch))):  # unwritten K/V
             for rid, culprit in readers.items():
                 errors[rid] = f"request {rid!r} failed: it reads K/V blocks that request {culprit!r} failed to write"
             failures.add(readers, spans(scheduler_output, input_batch))
