@@ -178,7 +178,7 @@ RANK0 = """
 import sys
 from roseinfer import LLM, BeamSearchParams, SamplingParams
 llm = LLM(device="cpu", dtype="float32", tensor_parallel_size=2)
-print(*core(llm.llm_engine).model_runner.pids, flush=True)
+print(*llm.llm_engine.engine_core.engine_core.model_runner.pids, flush=True)
 while True:
     llm.generate(["Romeo.\\n"] * 4, SamplingParams(max_tokens=64, ignore_eos=True), use_tqdm=False)
 """
