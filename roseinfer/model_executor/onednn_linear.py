@@ -20,8 +20,9 @@ path reaches the GEMM peak already at 32 rows, where sgemm is well short of it, 
 oneDNN builds (and keeps) a primitive, with its JIT-compiled kernel and buffers, for every shape it is called
 with. A server's steps have any number of rows from 1 to the token budget, so it would build one for each, and
 its memory would grow for as long as new row counts come (a soak of `roseinfer serve` grew 21 MiB a minute).
-So the rows are padded to a few sizes, `bucket_rows`: 1, 2, 4, ..., 32, then multiples of 32: at most 69
-shapes per layer for a budget of 2048 tokens. The padding rows are zeros, and their outputs are dropped.
+So above 64 rows, the rows are padded to a multiple of 32 (`bucket_rows`): at most 126 shapes per layer for a
+budget of 2048 tokens. Decode steps (a row per sequence) keep their exact shape; a prefill chunk of a few
+hundred rows computes at most 31 more. The padding rows are zeros, and their outputs are dropped.
 """
 
 from __future__ import annotations
@@ -57,13 +58,14 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 
-ROW_BUCKET = 32  # rows are padded to a power of two up to this, then to a multiple of it
+EXACT_ROWS = 64  # up to this many rows oneDNN sees the exact count; above, a multiple of ROW_BUCKET
+ROW_BUCKET = 32
 
 
 def bucket_rows(num_rows: int) -> int:
-    """The row count oneDNN is called with for `num_rows` rows: 1, 2, 4, 8, 16, 32, 64, 96, 128, ..."""
-    if num_rows <= ROW_BUCKET:
-        return 1 << (num_rows - 1).bit_length() if num_rows > 1 else num_rows
+    """The row count oneDNN is called with for `num_rows` rows: 1, 2, ..., 64, then 96, 128, 160, ..."""
+    if num_rows <= EXACT_ROWS:
+        return num_rows
     return -(-num_rows // ROW_BUCKET) * ROW_BUCKET
 
 
