@@ -234,6 +234,8 @@ class ModelRunner:
         """The proposer's drafts for the next step of the requests of `out` (request id -> at most k tokens). The
         draft model's probabilities q of sampled drafts stay here, for the rejection sampler to verify them with."""
         proposal = self.proposer.propose(self, out)
+        if not proposal.probs and not self._draft_probs:
+            return proposal.token_ids  # guessed, not sampled (n-gram, greedy drafts): no q to keep or drop
         for rid in proposal.token_ids:
             q = proposal.probs.get(rid) if proposal.probs else None
             if q is None:
