@@ -39,7 +39,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("0", "")
 def _cpu_kernel_builds() -> bool:
     from roseinfer.attention.cpu_paged import load_kernel
 
-    return load_kernel() is not None
+    return load_kernel()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -88,13 +88,13 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     if name == "auto":
         if device.type == "cuda":
             return "triton" if _triton_importable() else "sdpa"
-        return "cpu" if _cpu_kernel() is not None else "sdpa"
+        return "cpu" if _cpu_kernel() else "sdpa"
     if name in ("torch", "sdpa"):
         return name
     if name == "cpu":
         if device.type != "cpu":
             raise ValueError(f"attention_backend='cpu' runs on a CPU, not on {device}; use 'auto'")
-        if _cpu_kernel() is None:
+        if not _cpu_kernel():
             raise ValueError("attention_backend='cpu' needs its C++ kernel, which could not be built here (a C++ "
                              "compiler and ninja are needed); use 'sdpa'")  # fmt: skip
         return name

@@ -12,10 +12,10 @@ it moves, and the copy doubles them. This kernel walks each row's block table in
         p[h] = softmax(s[h])                                                     (max subtracted first)
         out[b, h] = Σ_t p[h, t] · v_cache[slot, h // G]                          V row [Hkv, D]: one read
 
-Every K and V vector is read once, from where the pool holds it; nothing is copied or padded. It is
-PyTorch's C++ extension API, built once with the machine's compiler the first time it is used
-(`torch.utils.cpp_extension.load_inline`, cached under ~/.cache/torch_extensions under a name that carries a
-hash of the source), `-march=native` so the loops over the head dimension use the CPU's vector units.
+Every K and V vector is read once, from where the pool holds it; nothing is copied or padded. The C++ is
+`roseinfer/csrc/paged_attention.cpp`, one op of the project's extension (`roseinfer/custom_ops.py`), built once
+with the machine's compiler the first time it is used, `-march=native` so the loops over the head dimension
+use the CPU's vector units.
 Prefill chunks still go through SDPA (`sdpa.py`): many queries per request make them GEMM-shaped, which its
 flash kernel does well.
 
@@ -27,125 +27,14 @@ G = 1 is MHA: the same loops, the same results to the bit.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import warnings
-
 import torch
 
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <algorithm>
-#include <cmath>
-#include <limits>
-#include <vector>
-
-template <typename scalar_t, typename index_t>
-static void decode(const scalar_t* q, const scalar_t* k, const scalar_t* v, const index_t* tables,
-                   const index_t* lens, scalar_t* out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
-                   int64_t block_size, int64_t max_blocks, float scale, int64_t max_len) {
-  const int64_t G = H / Hkv;  // query heads per K/V head: query head h = j * G + g reads K/V head j
-  // one sequence at a time per thread, all its heads together: each token's K (and V) row, [Hkv, D], is one
-  // contiguous read of Hkv * D elements, each K/V head's D of them used by the G query heads of its group
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(H * std::max<int64_t>(max_len, 1)), acc(H * D), qf(H * D), m(H), sum(H);
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n = lens[b];
-      const index_t* table = tables + b * max_blocks;
-      for (int64_t j = 0; j < H * D; ++j) qf[j] = static_cast<float>(q[b * H * D + j]) * scale;
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      for (int64_t t = 0; t < n; ++t) {  // s[h, t] = q[h] · k[t, h / G]
-        const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-        const scalar_t* kp = k + slot * Hkv * D;
-        for (int64_t j = 0; j < Hkv; ++j) {
-          const scalar_t* kj = kp + j * D;  // K/V head j of token t: from memory for its first query head,
-          for (int64_t h = j * G; h < (j + 1) * G; ++h) {  // from the L1 cache for the G - 1 others
-            const float* qh = qf.data() + h * D;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; ++d) dot += qh[d] * static_cast<float>(kj[d]);
-            s[h * max_len + t] = dot;
-            m[h] = std::max(m[h], dot);
-          }
-        }
-      }
-      for (int64_t h = 0; h < H; ++h) {  // p[h, t] = exp(s - max) (normalised at the end)
-        float total = 0.f;
-        float* sh = s.data() + h * max_len;
-        for (int64_t t = 0; t < n; ++t) {
-          sh[t] = std::exp(sh[t] - m[h]);
-          total += sh[t];
-        }
-        sum[h] = total;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < n; ++t) {  // acc[h] += p[h, t] · v[t, h / G]
-        const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-        const scalar_t* vp = v + slot * Hkv * D;
-        for (int64_t j = 0; j < Hkv; ++j) {
-          const scalar_t* vj = vp + j * D;
-          for (int64_t h = j * G; h < (j + 1) * G; ++h) {
-            const float p = s[h * max_len + t];
-            float* ah = acc.data() + h * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ah[d] += p * static_cast<float>(vj[d]);
-          }
-        }
-      }
-      for (int64_t h = 0; h < H; ++h) {
-        const float inv = 1.f / sum[h];
-        for (int64_t d = 0; d < D; ++d) out[(b * H + h) * D + d] = static_cast<scalar_t>(acc[h * D + d] * inv);
-      }
-    }
-  });
-}
-
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                           torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.is_contiguous() && k_cache.is_contiguous() &&
-              v_cache.is_contiguous() && block_tables.is_contiguous() && seq_lens.is_contiguous());
-  TORCH_CHECK(block_tables.scalar_type() == seq_lens.scalar_type());
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
-              v_cache.sizes() == k_cache.sizes(), "q, k_cache and v_cache must share one dtype, the pools one shape");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && Hkv >= 1 && H % Hkv == 0,
-              "q [B, H, D] needs pools [num_blocks, block_size, Hkv, D] with H % Hkv == 0");
-  auto out = torch::empty_like(q);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16, q.scalar_type(), "decode", [&] {
-    AT_DISPATCH_INDEX_TYPES(block_tables.scalar_type(), "decode_index", [&] {
-      const index_t* lens = seq_lens.data_ptr<index_t>();
-      int64_t max_len = 0;  // each thread's scratch holds H x max_len scores
-      for (int64_t b = 0; b < B; ++b) {
-        TORCH_CHECK(lens[b] >= 1, "every sequence attends to at least one token");
-        max_len = std::max<int64_t>(max_len, lens[b]);
-      }
-      decode<scalar_t, index_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                                block_tables.data_ptr<index_t>(), lens,
-                                out.data_ptr<scalar_t>(), B, H, Hkv, D, k_cache.size(1), block_tables.size(1),
-                                static_cast<float>(scale), max_len);
-    });
-  });
-  return out;
-}
-"""
+from roseinfer import custom_ops
 
 
-@functools.cache
-def load_kernel():
-    """Build (first time) and load the C++ kernel; None, with a warning, where it cannot be built."""
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        # the name carries a hash of the source: a checkout of another stage (another source) builds its own
-        # module instead of loading, or overwriting, this one from the shared build cache
-        name = f"roseinfer_cpu_paged_decode_{hashlib.sha256(_SOURCE.encode()).hexdigest()[:12]}"
-        return load_inline(name=name, cpp_sources=_SOURCE, functions=["paged_decode"],
-                           extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False)  # fmt: skip
-    except Exception as e:  # no compiler, no ninja, headers missing ...
-        warnings.warn(f"the CPU paged-attention kernel could not be built ({type(e).__name__}: {e}); decode "
-                      f"attention on the CPU falls back to block gathers + SDPA", stacklevel=2)  # fmt: skip
-        return None
+def load_kernel() -> bool:
+    """Whether the kernel is there: the project's C++ extension (`roseinfer/custom_ops.py`) built and loaded."""
+    return custom_ops.available()
 
 
 def paged_decode_cpu(
@@ -158,4 +47,4 @@ def paged_decode_cpu(
 ) -> torch.Tensor:  # [B, H, D]
     """Decode attention for a batch, read through the block tables (the signature of the reference's)."""
     with torch.profiler.record_function("roseinfer::paged_decode_cpu"):  # named in torch.profiler's tables
-        return load_kernel().paged_decode(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale)
+        return torch.ops.roseinfer.paged_decode(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale)

@@ -15,6 +15,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from roseinfer.model_executor.custom_op import CustomOp
+
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
 gelu_tanh: Activation = lambda x: F.gelu(x, approximate="tanh")  # 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))
@@ -54,3 +56,14 @@ def get_activation(name: str) -> Activation:
         return ACTIVATIONS[name]
     why = "it has learned weights that a GPT-2 checkpoint does not hold" if name in WITH_WEIGHTS else "unknown name"
     raise ValueError(f"activation_function={name!r} is not supported ({why}); use one of {sorted(ACTIVATIONS)}")
+
+
+class SiluAndMul(CustomOp):
+    """SwiGLU's gate: x [..., 2I] = [gate | up] -> silu(gate) · up [..., I] (vLLM's `SiluAndMul`).
+
+    In PyTorch that is a chunk, a SiLU that writes [..., I], and a product that reads it back; the fused
+    kernels read each gate and up value once and write the product once."""
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up

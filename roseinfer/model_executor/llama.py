@@ -4,6 +4,8 @@
                                                            (no position embedding: RoPE, in attention)
     DecoderLayer:  x = x + self_attn(input_layernorm(x), positions)     RMSNorm, then attention with RoPE
                    x = x + mlp(post_attention_layernorm(x))             RMSNorm, then SwiGLU
+                   (written as vLLM does: each norm takes the block's output and the residual stream, adds
+                   them and normalises the sum, one fused op: layernorm.py; the rotation and SiLU·up too)
 
 What differs from GPT-2 (gpt2.py), and where an inference engine feels it:
 
@@ -28,25 +30,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from roseinfer.attention import AttentionMetadata
+from roseinfer.model_executor.activations import SiluAndMul
+from roseinfer.model_executor.layernorm import RMSNorm
 from roseinfer.model_executor.llama_config import LlamaConfig
 from roseinfer.model_executor.onednn_linear import pack_linear_layers, pack_weight, packed_linear
 from roseinfer.model_executor.parallel_layers import ColumnParallelLinear, RowParallelLinear
-from roseinfer.model_executor.rotary_embedding import RotaryEmbedding, apply_rotary
+from roseinfer.model_executor.rotary_embedding import ApplyRotary, RotaryEmbedding
 
 KV = tuple[torch.Tensor, torch.Tensor]  # one layer's (K pool, V pool), each [num_blocks, block_size, Hkv, D]
-
-
-class RMSNorm(nn.Module):
-    """x / √(mean(x²) + ε) · weight, computed in fp32 and cast back (as transformers does)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
 
 
 class LlamaAttention(nn.Module):
@@ -61,6 +52,7 @@ class LlamaAttention(nn.Module):
                                         bias=cfg.o_bias)  # fmt: skip
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None  # Qwen3
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = ApplyRotary(is_neox=True)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KV | None = None,
                 meta: AttentionMetadata | None = None) -> torch.Tensor:  # fmt: skip
@@ -74,7 +66,7 @@ class LlamaAttention(nn.Module):
         v = v.view(*lead, self.n_kv_head, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k = self.rotary(q, k, *rope)
         if kv_cache is None:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D], [B, Hkv, T, D]
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
@@ -91,10 +83,10 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * cfg.intermediate_size, tp_size, bias=cfg.mlp_bias)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp_size, bias=cfg.mlp_bias)
+        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [N, I] each (this rank's I / tp_size)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [N, 2I] -> [N, I] -> [N, C] (this rank's I)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -105,9 +97,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg, tp_size)
 
-    def forward(self, x, rope, kv_cache: KV | None = None, meta: AttentionMetadata | None = None):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, kv_cache: KV | None = None, meta: AttentionMetadata | None = None):
+        """x: the last block's output, residual: the stream before it (None in the first layer) -> both, for
+        the next layer. Each norm adds the block's output to the residual stream and normalises the sum."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rope, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -136,9 +135,10 @@ class LlamaForCausalLM(nn.Module):
         """input_ids [B, T] -> logits [B, T, V], positions 0..T-1, no cache."""
         x = self.model.embed_tokens(input_ids)  # [B, T, C]
         rope = self.rotary_emb(torch.arange(input_ids.shape[1], device=input_ids.device), x.dtype)  # [T, 1, D]
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, rope)  # cos, sin [T, 1, D] broadcast against q [B, T, H, D]
-        return self.compute_logits(self.model.norm(x))
+            x, residual = layer(x, residual, rope)  # cos, sin [T, 1, D] broadcast against q [B, T, H, D]
+        return self.compute_logits(self.model.norm(x, residual)[0])
 
     def forward_paged(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KV], meta: AttentionMetadata
@@ -147,9 +147,10 @@ class LlamaForCausalLM(nn.Module):
         computed once here and every layer rotates its q and k with them."""
         x = self.model.embed_tokens(input_ids)  # [N, C]
         rope = self.rotary_emb(positions, x.dtype)  # cos, sin [N, 1, D]
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv_cache, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [..., C] -> logits [..., V], through the LM head."""

@@ -30,6 +30,8 @@ import math
 
 import torch
 
+from roseinfer.model_executor.custom_op import CustomOp
+
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
     """θ_i for i = 0 .. D/2 - 1, in fp32 (as transformers computes them), scaled as `scaling` says."""
@@ -63,6 +65,32 @@ class RotaryEmbedding(torch.nn.Module):
         angles = positions.float().unsqueeze(-1) * self.inv_freq  # [N, D/2]: pos · θ_i
         angles = torch.cat((angles, angles), dim=-1).unsqueeze(-2)  # [N, 1, D]: pair i at features i and i + D/2
         return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+class ApplyRotary(CustomOp):
+    """q [N, H, D] and k [N, Hkv, D] rotated with their tokens' cos, sin [N, 1, D] -> (q, k).
+
+    `is_neox`: pair i is features (i, i + D/2), the rotate-half layout of the Llama family (GPT-NeoX's);
+    False: pair i is features (2i, 2i + 1), interleaved (GPT-J's). The fused kernels rotate q and k in place,
+    in one pass over both; the reference returns new tensors. Either way, use the returned pair."""
+
+    def __init__(self, is_neox: bool = True):
+        super().__init__()
+        self.is_neox = is_neox
+
+    def forward_native(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        if self.is_neox:
+            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return apply_rotary_interleaved(q, cos, sin), apply_rotary_interleaved(k, cos, sin)
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GPT-J's layout: pair i is features (2i, 2i + 1), turned by angle pos · θ_i. `cos`, `sin` are the same
+    [N, 1, D] tensors as the neox layout's (each θ_i's value at i and i + D/2); their first halves are used."""
+    half = cos.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]  # [N, 1, D/2]
+    x1, x2 = x[..., 0::2], x[..., 1::2]  # [N, H, D/2] each: the pairs' first and second features
+    return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,48 @@
+"""The project's C++ extension: every `roseinfer/csrc/*.cpp` built into one library of `torch.ops.roseinfer` ops.
+
+Each source file registers its own ops with `TORCH_LIBRARY_FRAGMENT(roseinfer, m)` (the op's schema) and
+`TORCH_LIBRARY_IMPL(roseinfer, CPU, m)` (its CPU code), so adding a kernel is adding a file: nothing here lists
+them. The library is built the first time an op is needed, with the machine's compiler and `-march=native`
+(the loops use whatever vector units this CPU has), and cached under ~/.cache/torch_extensions under a name
+that carries a hash of the sources: a checkout of another stage builds its own library instead of loading
+this one.
+
+    import roseinfer.custom_ops as ops
+    if ops.available():                        # built and loaded (or False, with a warning, once)
+        torch.ops.roseinfer.paged_decode(...)  # the ops each csrc file registers
+
+Where it cannot be built (no compiler, no ninja), `available()` is False and every caller falls back to its
+PyTorch reference: the same results, more slowly.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import warnings
+from pathlib import Path
+
+CSRC = Path(__file__).parent / "csrc"
+CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+
+
+def sources() -> list[Path]:
+    """The extension's C++ files, in a fixed order."""
+    return sorted(CSRC.glob("*.cpp"))
+
+
+@functools.cache
+def available() -> bool:
+    """Build (first time) and load the library; False, with a warning, where it cannot be built."""
+    files = sources()
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files) + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(name=f"roseinfer_ops_{digest}", sources=[str(f) for f in files], extra_cflags=CFLAGS,
+             is_python_module=False, verbose=False)  # fmt: skip
+    except Exception as e:  # no compiler, no ninja, headers missing ...
+        warnings.warn(f"roseinfer's C++ ops could not be built ({type(e).__name__}: {e}); the CPU paths fall "
+                      f"back to their PyTorch references", stacklevel=2)  # fmt: skip
+        return False
+    return True

@@ -1,0 +1,85 @@
+"""One small op, a readable PyTorch reference and a fused kernel per device: vLLM's `CustomOp`.
+
+A Llama layer is two GEMM-heavy blocks (attention's projections, the MLP) glued together by element-wise work:
+the residual add and RMSNorm before each block, the rotation of q and k, SiLU(gate) · up. Written in PyTorch,
+each of those is several ops, and each op reads its whole input from memory and writes its whole output back:
+
+    RMSNorm(x + residual) in PyTorch    add, float, pow, mean, add, rsqrt, mul, to, mul: ~9 passes over [N, C]
+    the same, fused                     one pass: read x and residual once, write residual and the output once
+
+So each op here is a module with three ways to run:
+
+    forward_native(...)   the PyTorch reference: the math as transformers writes it; the oracle of the tests
+    forward_cpu(...)      a fused C++ kernel of the project's extension (`roseinfer/custom_ops.py`)
+    forward_cuda(...)     a fused Triton kernel
+
+`forward` calls the one `impl` picks, decided once per module (the first call's device):
+
+    "auto"      the fused kernel where there is one for the device (C++ built / Triton importable), else native
+    "native"    the reference, always
+    "compile"   the reference compiled by torch.compile (the library's answer to hand-written fusion)
+
+`set_custom_op_impl(model, impl)` sets it on every op of a model (the engine's `custom_ops` setting).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+IMPLS = ("auto", "native", "compile")
+
+
+class CustomOp(nn.Module):
+    """Subclasses write `forward_native` and, where they have kernels, `forward_cpu` / `forward_cuda`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.impl = "auto"
+        self._forward: Callable | None = None  # chosen on the first call
+
+    def forward(self, *args, **kwargs):
+        if self._forward is None:
+            self._forward = self.choose(args[0].device)
+        return self._forward(*args, **kwargs)
+
+    def set_impl(self, impl: str) -> None:
+        if impl not in IMPLS:
+            raise ValueError(f"custom_ops={impl!r}: use one of {', '.join(IMPLS)}")
+        self.impl, self._forward = impl, None
+
+    def choose(self, device: torch.device) -> Callable:
+        """The implementation this module runs on `device`."""
+        if self.impl == "native":
+            return self.forward_native
+        if self.impl == "compile":
+            return torch.compile(self.forward_native, dynamic=True)
+        if device.type == "cpu" and self.has_cpu_kernel():
+            return self.forward_cpu
+        if device.type == "cuda" and self.has_cuda_kernel():
+            return self.forward_cuda
+        return self.forward_native
+
+    def forward_native(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def forward_cpu(self, *args, **kwargs):
+        return self.forward_native(*args, **kwargs)
+
+    def forward_cuda(self, *args, **kwargs):
+        return self.forward_native(*args, **kwargs)
+
+    def has_cpu_kernel(self) -> bool:
+        return False
+
+    def has_cuda_kernel(self) -> bool:
+        return False
+
+
+def set_custom_op_impl(model: nn.Module, impl: str) -> None:
+    """Every CustomOp of `model` runs `impl` ("auto" | "native" | "compile") from its next call on."""
+    for module in model.modules():
+        if isinstance(module, CustomOp):
+            module.set_impl(impl)

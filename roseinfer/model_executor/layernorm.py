@@ -1,0 +1,38 @@
+"""RMSNorm, and the residual add before it, as one op (vLLM's `RMSNorm(x, residual)`).
+
+    RMSNorm(x) = x / √(mean(x²) + ε) · weight        no mean subtracted, no bias (computed in fp32)
+
+A Llama layer adds each block's output to the residual stream and normalises the sum for the next block:
+
+    residual = x + residual                           what transformers writes as `hidden = residual + hidden`
+    x        = RMSNorm(residual)
+
+Called with a residual, the op does both and returns (x, residual): the fused kernels read the two inputs
+once and write the two outputs once. Without one it is the plain RMSNorm (a model's first layer; Qwen3's norm
+over each head of q and k).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from roseinfer.model_executor.custom_op import CustomOp
+
+
+class RMSNorm(CustomOp):
+    """x [..., C] -> RMSNorm(x); with `residual` [..., C]: (RMSNorm(x + residual), x + residual)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+
+    def forward_native(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = residual = x + residual  # the sum in the model's dtype, as transformers adds
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * h.to(x.dtype)
+        return out if residual is None else (out, residual)
