@@ -52,6 +52,7 @@ import base64
 import gc
 import json
 import math
+import os
 import platform
 import random
 import sys
@@ -60,6 +61,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from roseinfer.entrypoints.allocator import CHOICES as ALLOCATORS
+from roseinfer.entrypoints.allocator import MARK as ALLOCATOR_MARK
+from roseinfer.entrypoints.allocator import restart_with_allocator
 
 REPO = next((p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists()), Path.cwd())
 
@@ -220,7 +225,8 @@ def device_name(device: torch.device) -> str:
         model = next(ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name"))
     except (OSError, StopIteration):
         model = platform.processor() or platform.machine()
-    return f"{model} (torch threads: {torch.get_num_threads()})"
+    malloc = os.environ.get(ALLOCATOR_MARK, "glibc malloc")
+    return f"{model} (torch threads: {torch.get_num_threads()}, {malloc})"
 
 
 def check_ids(wl: Workload, model_dir: Path, device, dtype, all_ids: dict, results: dict) -> bool:
@@ -271,6 +277,9 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's default)")
     ap.add_argument("--cache-dir", type=Path, default=REPO / ".cache" / "random-models")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--allocator", choices=ALLOCATORS, default="auto",
+                    help="malloc for this process, preloaded by starting it again, as `roseinfer serve` does "
+                    "(roseinfer/entrypoints/allocator.py; default: tcmalloc or jemalloc when installed)")  # fmt: skip
     ap.add_argument("--check-ids", action=argparse.BooleanOptionalAction, default=None,
                     help="compare every engine's token ids with transformers' greedy ids (default: when the "
                     "workload has at most 1024 output tokens)")  # fmt: skip
@@ -279,6 +288,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if argv is None:  # the command line itself: start again on the allocator (the peers' workers get tcmalloc too)
+        restart_with_allocator(sys.argv[1:], args.allocator, program=[sys.argv[0]])
     if args.threads:
         torch.set_num_threads(args.threads)
     names = [e.strip() for e in args.engines.split(",") if e.strip()] if args.engines else []

@@ -11,6 +11,11 @@ A library replaces malloc only if it is loaded before anything else: the server 
     roseinfer serve                        glibc ──► execve(python -m roseinfer serve ..., LD_PRELOAD=tcmalloc)
                                                      ROSEINFER_ALLOCATOR=tcmalloc marks the second start
 
+It matters for speed too, not only for memory: a step's activations are fresh tensors of up to tens of
+megabytes, and glibc hands large ones back to the system on free and maps them again, page by page, at
+the next step (chapter 20 measures the difference). scripts/benchmark.py restarts itself the same way
+(`--allocator`), so roseinfer runs there as the server runs, and as vLLM's CPU build runs beside it.
+
 `--allocator auto` (the default) takes tcmalloc, else jemalloc, when the system has it (Debian's packages
 `libtcmalloc-minimal4`, `libjemalloc2`; scripts/setup.sh installs the first where it can), else stays on
 glibc's malloc; `--allocator system` never restarts.
@@ -41,9 +46,10 @@ def find_allocator(choice: str = "auto") -> tuple[str, str] | None:
     return None
 
 
-def restart_with_allocator(argv: list[str], choice: str = "auto") -> None:
+def restart_with_allocator(argv: list[str], choice: str = "auto", program: list[str] | None = None) -> None:
     """Start this command again with the allocator preloaded (does not return), unless this process is that
-    second start already, or there is nothing to preload."""
+    second start already, or there is nothing to preload. `program`: what runs `argv` (default `python -m
+    roseinfer`; scripts/benchmark.py passes its own path)."""
     if os.environ.get(MARK) is not None:
         return
     found = find_allocator(choice)
@@ -53,4 +59,5 @@ def restart_with_allocator(argv: list[str], choice: str = "auto") -> None:
     preload = " ".join(p for p in (library, os.environ.get("LD_PRELOAD", "")) if p)
     env = {**os.environ, "LD_PRELOAD": preload, MARK: name}
     sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "roseinfer", *argv], env)
+    program = program or ["-m", "roseinfer"]
+    os.execve(sys.executable, [sys.executable, *program, *argv], env)

@@ -1,0 +1,38 @@
+"""Stage 20, the runtime around the kernels: the extension's threads and the allocator the benchmark runs on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from roseinfer import custom_ops
+from roseinfer.entrypoints import allocator
+
+
+def test_the_benchmark_restarts_itself_on_the_allocator(monkeypatch):
+    monkeypatch.delenv(allocator.MARK, raising=False)
+    monkeypatch.setattr(allocator, "find_allocator", lambda choice: ("tcmalloc", "libtcmalloc_minimal.so.4"))
+    calls = []
+
+    def execve(path, argv, env):
+        calls.append((path, argv, env))
+
+    monkeypatch.setattr(allocator.os, "execve", execve)
+    allocator.restart_with_allocator(["--threads", "2"], "auto", program=["scripts/benchmark.py"])
+    (path, argv, env), *_ = calls
+    assert argv[1:] == ["scripts/benchmark.py", "--threads", "2"]
+    assert env["LD_PRELOAD"].startswith("libtcmalloc_minimal.so.4") and env[allocator.MARK] == "tcmalloc"
+
+
+@pytest.mark.skipif(not custom_ops.available(), reason="the C++ extension cannot be built here")
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs two threads")
+def test_the_extension_runs_on_torchs_threads():
+    """at::parallel_for inside the extension uses torch's OpenMP pool: compiled without -fopenmp it ran every
+    range on the calling thread. The op reports how many threads took part."""
+    torch.set_num_threads(2)
+    assert int(torch.ops.roseinfer.parallel_threads(64)) == 2
+    torch.set_num_threads(1)
+    try:
+        assert int(torch.ops.roseinfer.parallel_threads(64)) == 1
+    finally:
+        torch.set_num_threads(2)
