@@ -54,8 +54,7 @@ from roseinfer.sample.rejection_sampler import rejection_sample
 from roseinfer.worker.input_batch import InputBatch
 from roseinfer.worker.kv_cache import KVCache, num_blocks_that_fit, swap_blocks
 from roseinfer.worker.prompt_logprobs import gather_prompt_logprobs
-from roseinfer.worker.step_handle import StepHandle, sample_plain
-from roseinfer.worker.step_inputs import StepInputs, prepare_step
+from roseinfer.worker.step_inputs import StepHandle, StepInputs, prepare_step, sample_plain
 from roseinfer.worker.step_isolation import Failures, error_message, run_in_parts, spans, without
 
 
