@@ -159,9 +159,10 @@ class BeamSearchParams:
         _check(isinstance(self.ignore_eos, bool), f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         _check(is_number(lp), f"length_penalty must be a finite number, got {lp!r}")
 
-    # what a beam reads where a sampling request reads its SamplingParams: a beam never samples or stops alone,
-    # and no logits processor or log-probability request applies to it
+    # what a beam reads where a sampling request reads its SamplingParams: a beam never samples or stops alone
+    # (its runner row returns candidates), and no logits processor or log-probability request applies to it
     n, stop, stop_token_ids, output_kind = 1, (), (), RequestOutputKind.FINAL_ONLY
+    temperature, top_k, top_p, seed = 0.0, -1, 1.0, None
     logprobs = prompt_logprobs = logit_bias = None
     min_tokens, include_stop_str_in_output, uses_logits_processors, uses_penalties = 0, False, False, False
     may_speculate = False

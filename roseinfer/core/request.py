@@ -7,6 +7,8 @@ The core never sees text, a tokenizer or a tensor. A `Request` holds what schedu
                           in chunks; a decode by one per step; a preemption by recompute sets it to 0)
     block_hashes          the hash of every full block so far, for prefix caching (roseinfer/core/block_pool.py)
     spec_token_ids        draft tokens the model runner proposed for the next step (speculative decoding)
+    num_candidates        0: the runner samples its tokens; k > 0: the runner returns its k most likely next
+                          tokens (`candidates`) and the token is chosen outside (a beam search)
     finish_reason         None while it runs; "stop" (EOS, a stop token), "length" or "abort"
 
 Stop strings need text, so they are not checked here: the output processor (roseinfer/engine/
@@ -14,7 +16,8 @@ output_processor.py) finds them and finishes the request through `Scheduler.fini
 
 Several sequences of one request (n completions, or the beams of a beam search) are requests of their
 own, "r", "r#1", "r#2", ..., tied by a `RequestGroup`: they share KV blocks (fork and copy-on-write),
-are admitted together and preempted together.
+are admitted together and preempted together. A request that has a group when it is queued runs as that many
+sequences from the start (`RequestGroup.num_seqs` places).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "max_model_len",
                  "all_token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens", "block_hashes",
                  "spec_token_ids", "finish_reason", "group", "index", "cumulative_logprob", "max_tokens",
-                 "stop_token_ids", "num_output_placeholders", "min_tokens")  # fmt: skip
+                 "stop_token_ids", "num_output_placeholders", "min_tokens", "num_candidates", "candidates")  # fmt: skip
 
     def __init__(
         self,
@@ -66,6 +69,8 @@ class Request:
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
         self.min_tokens = sampling_params.min_tokens  # no stop at EOS or a stop token before this many tokens
         self.num_output_placeholders = 0  # async scheduling: tokens sampled in steps whose output is not in yet
+        self.num_candidates = 0  # > 0: its next token is chosen outside the runner, from this many candidates
+        self.candidates: tuple[list[int], list[float]] | None = None  # the runner's, until the group's are all in
 
     @property
     def num_tokens(self) -> int:
@@ -83,10 +88,6 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    @property
-    def is_beam(self) -> bool:
-        return isinstance(self.sampling_params, BeamSearchParams)
 
     @property
     def last_token_in_flight(self) -> bool:
@@ -130,7 +131,7 @@ class Request:
         child.num_computed_tokens, child.num_cached_tokens = self.num_computed_tokens, self.num_cached_tokens
         child.block_hashes = list(self.block_hashes)
         child.group, child.index, child.cumulative_logprob = self.group, index, self.cumulative_logprob
-        child.num_output_placeholders = self.num_output_placeholders
+        child.num_output_placeholders, child.num_candidates = self.num_output_placeholders, self.num_candidates
         return child
 
     def __repr__(self) -> str:
@@ -146,9 +147,10 @@ class RequestGroup:
                                   last prompt token the scheduler forks it into "r", "r#1", "r#2": the same
                                   blocks (reference count 3), each samples its own token from the same
                                   logits and then decodes on its own, copying a shared block before writing
-    beam search (width 4)         the running beams "r", "r#1", ...; after every step the beam search
-                                  (roseinfer/engine/beam_search.py) picks the next beams: a beam two of them
-                                  continue is forked, one that none continues is finished
+    chosen outside (width 4)      a beam search: the running beams "r", "r#1", ...; once each has its
+                                  candidates, roseinfer/engine/beam_search.py picks the next beams and the
+                                  scheduler carries out its `GroupUpdate`: a beam two of them continue is
+                                  forked, one that none continues is finished
     """
 
     group_id: str  # the request id the caller gave

@@ -17,21 +17,33 @@ One step, once every running beam's next-token log-probabilities are computed:
     4. the candidates among the top W that stop compete with the finished slots for W places
     5. the search ends when all W slots are taken (early stopping), or nothing can run any more
 
-Only the 2W most likely tokens of each beam can be among the 2W best candidates of all beams, so the model
-runner sends just those (token ids and log-probabilities) rather than a whole [V] distribution per beam.
+Only the 2W most likely tokens of each beam can be among the 2W best candidates of all beams, so a beam asks
+the model runner for just those (`Request.num_candidates` = 2W) rather than a whole [V] distribution.
 
-The engine side of a step (`BeamSearchCoordinator`, in the engine core): a candidate's beam may be chosen
-by several children (the scheduler forks its blocks, to be copied on write later), or by none (the
-scheduler frees it). The numbers here are small tensors on the host; the scheduler sees none of them.
+Everything about beams lives here; the core only offers generic operations, data in and data out:
+
+    prepare(request)     a beam search's request is queued with a group of W places and 2W candidates: the
+                         scheduler runs it as a group, the runner returns candidates instead of a sample
+    step(output)         a group's candidates (`EngineCoreOutput.candidates`, reported once every running beam
+                         has its own) in; out the `GroupUpdate` the scheduler carries out (a beam that several
+                         candidates continue is forked and shares its blocks, one that none continues is
+                         finished, each gets its token, best beam first) and, once the search is done, its
+                         finished sequences (`EngineCoreOutput.completions`)
+    forget(request_id)   an aborted or failed search
+
+The numbers here are small tensors on the host; the scheduler sees none of them.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
 
-from roseinfer.core.sched.output import EngineCoreOutput
+from roseinfer.core.request import Request, RequestGroup
+from roseinfer.core.sched.output import EngineCoreOutput, GroupUpdate
+from roseinfer.sampling_params import BeamSearchParams
 
 NEG = -1.0e9  # Hugging Face's "impossible" score
 
@@ -110,70 +122,64 @@ class BeamSearchState:
         return c.token in self.eos_token_ids or cur_len + 1 >= self.max_len
 
 
-class BeamSearchCoordinator:
-    """Runs the beam searches of the engine core over the scheduler's sequences.
+@dataclass
+class Beam:
+    seq_id: str  # the engine sequence that runs it
+    token_ids: list[int]  # generated so far
+    cum_logprob: float
 
-    After each step it keeps every beam's top tokens (`ModelRunnerOutput.beam_logprobs`); once all running beams
-    of a search have theirs (and have computed their last token), the search steps: forks, frees and appends,
-    through the scheduler. A finished search reports its best sequences once."""
 
-    def __init__(self, scheduler):
-        self.scheduler = scheduler
-        self.searches: dict[str, BeamSearchState] = {}  # request id -> its search
-        self.pending: dict[str, tuple[list[int], list[float]]] = {}  # beam id -> its top tokens, until the search steps
+@dataclass
+class Search:
+    state: BeamSearchState
+    beams: list[Beam]  # running, best first (the group's order)
+    child_ids: itertools.count = field(default_factory=lambda: itertools.count(1))  # "r#1", "r#2", ...
 
-    def add(self, request) -> None:
+
+class BeamSearch:
+    """The beam searches of the engine core, by request id (see the module docstring)."""
+
+    def __init__(self):
+        self.searches: dict[str, Search] = {}
+
+    def prepare(self, request: Request) -> None:
+        """A beam search's request runs as a group of beam_width sequences, each of which returns its 2·beam_width
+        most likely next tokens instead of a sample (other requests are left as they are)."""
         p = request.sampling_params
-        end = min(request.num_tokens + p.max_tokens, request.max_model_len)
-        self.searches[request.request_id] = BeamSearchState(p.beam_width, p.length_penalty, request.eos_token_ids,
-                                                            request.num_tokens, end)  # fmt: skip
+        if isinstance(p, BeamSearchParams) and request.group is None:
+            request.group = RequestGroup(request.request_id, p.beam_width, [request])
+            request.num_candidates = 2 * p.beam_width
 
-    def forget(self, group) -> None:
-        """An aborted search."""
-        self.searches.pop(group.group_id, None)
-        for b in group.seqs:
-            self.pending.pop(b.request_id, None)
+    def add(self, request: Request) -> None:
+        """Start the search of a queued request (`prepare`d), if it is one."""
+        p = request.sampling_params
+        if isinstance(p, BeamSearchParams):
+            end = min(request.num_tokens + p.max_tokens, request.max_model_len)
+            state = BeamSearchState(p.beam_width, p.length_penalty, request.eos_token_ids, request.num_tokens, end)
+            self.searches[request.request_id] = Search(state, [Beam(request.request_id, [], 0.0)])
 
-    def on_step(self, beam_logprobs: dict[str, tuple[list[int], list[float]]]) -> list[EngineCoreOutput]:
-        """Keep the step's beam distributions; step every search whose beams all have theirs."""
-        if not beam_logprobs:
-            return []
-        self.pending.update(beam_logprobs)
-        outputs, sched = [], self.scheduler
-        for group_id in {sched.requests[rid].group.group_id for rid in beam_logprobs if rid in sched.requests}:
-            group = sched.groups[group_id]
-            beams = group.seqs
-            if all(b.request_id in self.pending and b.num_computed_tokens == b.num_tokens for b in beams):
-                out = self._step(group)
-                if out is not None:
-                    outputs.append(out)
-        return outputs
+    def forget(self, request_id: str) -> None:
+        """An aborted or failed search (nothing if there is none)."""
+        self.searches.pop(request_id, None)
 
-    def _step(self, group) -> EngineCoreOutput | None:
-        sched, search = self.scheduler, self.searches[group.group_id]
-        beams = group.seqs
-        nxt = search.step([self.pending.pop(b.request_id) for b in beams], [b.cumulative_logprob for b in beams],
-                          [b.output_token_ids for b in beams])  # fmt: skip
-        if search.done:
-            sched.finish_requests([b.request_id for b in beams], "stop")
-            del self.searches[group.group_id]
-            eos = search.eos_token_ids
+    def step(self, output: EngineCoreOutput) -> tuple[GroupUpdate, EngineCoreOutput | None]:
+        """One step of the search whose running beams all have their candidates."""
+        gid, search = output.request_id, self.searches[output.request_id]
+        beams, state = search.beams, search.state
+        nxt = state.step([output.candidates[b.seq_id] for b in beams], [b.cum_logprob for b in beams],
+                         [b.token_ids for b in beams])  # fmt: skip
+        if state.done:
+            del self.searches[gid]
+            eos = state.eos_token_ids
             ranked = [(h.token_ids, h.cum_logprob, "stop" if h.token_ids and h.token_ids[-1] in eos else "length")
-                      for h in search.finished]  # fmt: skip
-            return EngineCoreOutput(group.group_id, [], "stop", beams=ranked)
-        taken, new = set(), []
-        for c in nxt:  # forks first, while every parent still has exactly its old tokens
+                      for h in state.finished]  # fmt: skip
+            return GroupUpdate(gid, [], [], [], "stop"), EngineCoreOutput(gid, [], "stop", completions=ranked)
+        taken, parents, new = set(), [], []
+        for c in nxt:  # the first candidate of a beam continues it; any other one forks it
             parent = beams[c.parent]
-            if c.parent in taken:
-                new.append((sched.fork_request(parent), c))
-            else:
-                taken.add(c.parent)
-                new.append((parent, c))
-        lost = [b.request_id for i, b in enumerate(beams) if i not in taken]
-        group.seqs = [b for b, _ in new]
-        sched.finish_requests(lost, "abort")  # nobody continues it: its blocks go back (shared ones lose a reference)
-        for b, c in new:
-            sched.append_token_ids(b, [c.token])
-            b.cumulative_logprob = c.cum_logprob
-        sched.reorder_group(group)  # the group's beams side by side, best first
-        return None
+            seq_id = f"{gid}#{next(search.child_ids)}" if c.parent in taken else parent.seq_id
+            taken.add(c.parent)
+            parents.append(parent.seq_id)
+            new.append(Beam(seq_id, [*parent.token_ids, c.token], c.cum_logprob))
+        search.beams = new
+        return GroupUpdate(gid, [b.seq_id for b in new], parents, [[b.token_ids[-1]] for b in new]), None

@@ -4,7 +4,7 @@
         scheduler_output = scheduler.schedule()                          what runs now (data only)
         runner_output    = model_runner.execute_model(scheduler_output)  ONE forward, then sampling
         core_outputs     = scheduler.update_from_output(...)             append tokens, stops, free
-                         + beam_search.on_step(...)                      beams whose search stepped
+        (groups whose next tokens are chosen here: beam_search.step(o) -> scheduler.update_group(update))
 
 A request that fails in the runner fails alone (`ModelRunnerOutput.errors`, see roseinfer/worker/step_isolation.py):
 the core frees every sequence of it and reports finish_reason "error"; the rest of the batch goes on.
@@ -21,7 +21,7 @@ from roseinfer.core.kv_cache_manager import KVCacheManager
 from roseinfer.core.request import Request
 from roseinfer.core.sched.output import EngineCoreOutput, SchedulerOutput
 from roseinfer.core.sched.scheduler import Scheduler
-from roseinfer.engine.beam_search import BeamSearchCoordinator
+from roseinfer.engine.beam_search import BeamSearch
 from roseinfer.worker import make_model_runner
 
 
@@ -37,16 +37,17 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(cc.block_size, cc.num_gpu_blocks, cc.enable_prefix_caching,
                                                cc.num_cpu_blocks, cc.watermark)  # fmt: skip
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
-        self.beam_search = BeamSearchCoordinator(self.scheduler)
+        self.beam_search = BeamSearch()  # chooses the next tokens of the groups that report candidates
         self._in_flight = None  # async scheduling: (scheduler output, runner handle) of the step still running
 
     def add_request(self, request: Request) -> None:
+        self.beam_search.prepare(request)  # (a beam search runs as a group that returns candidates)
         self.scheduler.add_request(request)
-        if request.is_beam:
-            self.beam_search.add(request)
+        self.beam_search.add(request)
 
     def check_fits(self, request: Request) -> None:
         """Raise ValueError if the request could never fit the KV pool (nothing is queued)."""
+        self.beam_search.prepare(request)
         self.scheduler.check_fits(request)
 
     def has_request(self, request_id: str) -> bool:
@@ -58,9 +59,7 @@ class EngineCore:
 
     def abort_request(self, request_id: str, reason: str = "abort") -> None:
         """End every sequence of the caller's request now and give its blocks back."""
-        group = self.scheduler.groups.get(request_id)
-        if group is not None and request_id in self.beam_search.searches:
-            self.beam_search.forget(group)
+        self.beam_search.forget(request_id)
         self.scheduler.finish_requests(self.scheduler.sequence_ids(request_id), reason)
 
     def step(self) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
@@ -74,9 +73,23 @@ class EngineCore:
     def _update(self, scheduler_output: SchedulerOutput, runner_output) -> list[EngineCoreOutput]:
         failed = self._fail(runner_output.errors) if runner_output.errors else []
         outputs = failed + self.scheduler.update_from_output(scheduler_output, runner_output)
-        if runner_output.beam_logprobs:  # beams whose search can take its next step
-            outputs += self.beam_search.on_step(runner_output.beam_logprobs)
+        if runner_output.candidates:  # groups whose next tokens are chosen here may have reported theirs
+            outputs = self._choose(outputs)
         return outputs
+
+    def _choose(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """A group that reported its candidates takes its next step: the beam search picks it, the scheduler
+        carries it out; a finished search's output takes the place of its candidates."""
+        kept = []
+        for o in outputs:
+            if o.candidates is None:
+                kept.append(o)
+                continue
+            update, final = self.beam_search.step(o)
+            self.scheduler.update_group(update)
+            if final is not None:
+                kept.append(final)
+        return kept
 
     def _fail(self, errors: dict[str, str]) -> list[EngineCoreOutput]:
         """Requests that failed in the runner (it could not set them up, or the step raised for them) fail alone:
@@ -90,8 +103,7 @@ class EngineCore:
             group = req.group
             caller = group.group_id if group is not None else rid
             seqs = [sched.requests[s] for s in sched.sequence_ids(caller)]
-            if caller in self.beam_search.searches:
-                self.beam_search.forget(group)
+            self.beam_search.forget(caller)
             blocks = {b for s in seqs for b in self.kv_cache_manager.block_tables.get(s.request_id, ())}
             sched.finish_requests([s.request_id for s in seqs], "error")
             self.kv_cache_manager.forget_unheld_prefixes(blocks)  # they may hold K/V never written

@@ -46,8 +46,6 @@ class InputProcessor:
 
     def check_params(self, params: SamplingParams | BeamSearchParams) -> None:
         """ValueError if the parameters name a token id outside the vocabulary."""
-        if not isinstance(params, SamplingParams):
-            return
         V = self.vocab_size
         for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
             bad = sorted(t for t in ids if not 0 <= t < V)

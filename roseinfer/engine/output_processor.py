@@ -55,7 +55,7 @@ class RequestState:
         self.stream_text = self.kind is not FINAL_ONLY or bool(params.stop)  # detokenize token by token
         self.processor = processor
         self.completions: dict[int, Completion] = {}
-        self.num_seqs = 1 if isinstance(params, BeamSearchParams) else params.n
+        self.num_seqs = params.n
         self.num_finished = 0
         self.num_cached_tokens = 0
         self.delta = ""  # completion 0's new text in this step (n > 1)
@@ -123,8 +123,8 @@ class OutputProcessor:
             state = requests.get(rid)
             if state is None:
                 continue
-            if o.beams is not None:
-                self._finish_beams(state, o)
+            if o.completions is not None:
+                self._finish_all(state, o)
             elif state.num_seqs == 1:  # one sequence: its output right away
                 c = state.completions[0]
                 state.num_cached_tokens = o.num_cached_tokens
@@ -254,13 +254,13 @@ class OutputProcessor:
                              self._reason(state) or "abort", "", state.num_cached_tokens, None,
                              state.take_prompt_logprobs(), state.error)  # fmt: skip
 
-    def _finish_beams(self, state: RequestState, o: EngineCoreOutput) -> None:
-        """A finished beam search: its best sequences as completions, best first."""
+    def _finish_all(self, state: RequestState, o: EngineCoreOutput) -> None:
+        """A request that ends with all its completions at once (a beam search: its best sequences, best first)."""
         state.completions = {}
-        for i, (tokens, cum, reason) in enumerate(o.beams):
+        for i, (tokens, cum, reason) in enumerate(o.completions):
             c = state.completions[i] = Completion(i, None)
             c.token_ids, c.finish_reason, c.cumulative_logprob = list(tokens), reason, cum
-        state.num_seqs = state.num_finished = len(o.beams)
+        state.num_seqs = state.num_finished = len(o.completions)
 
     def decode(self, token_ids: list[int], skip: frozenset[int] | None = None) -> str:
         """The whole text at once, as the streaming detokenizer would have made it (EOS, and the `skip` ids, make no

@@ -42,9 +42,3 @@ class BlockTable:
     def copy_row(self, src: int, dst: int) -> None:
         self.table[dst] = self.table[src]
         self.num_blocks[dst] = self.num_blocks[src]
-
-    def slot_mapping(self, table: np.ndarray, req_of_token: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """The pool slot of every token, [N] int64: block_id * block_size + offset, where `table` holds the step's
-        rows ([B, W]) and token i belongs to row req_of_token[i] at position positions[i]."""
-        bs = self.block_size
-        return table[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs

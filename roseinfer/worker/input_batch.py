@@ -5,7 +5,7 @@ A request gets a row when the runner first sees it and keeps it until the schedu
 
     token_ids [rows, max_model_len]  int64   prompt + generated ids; the runner writes each token it samples,
                                              so the scheduler never sends token ids back (only the ones the
-                                             runner could not know: a beam search's choices)
+                                             runner could not know: tokens chosen from its candidates)
     num_tokens, num_computed_tokens [rows]
     block table [rows, max_blocks]           roseinfer/worker/block_table.py
     temperature, top_k, top_p, max_tokens    the sampling parameters as numbers, gathered per step into the
@@ -35,8 +35,9 @@ from roseinfer.sampling_params import SAMPLING_EPS, BeamSearchParams, SamplingPa
 from roseinfer.worker.block_table import BlockTable
 
 _COLUMNS = ("token_ids", "num_tokens", "num_computed_tokens", "num_prompt_tokens", "max_tokens", "temperature", "top_k",
-            "top_p", "seeded", "beam_topk", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-            "min_p", "uses_processors", "uses_penalties", "num_logprobs", "num_prompt_logprobs")  # fmt: skip
+            "top_p", "seeded", "num_candidates", "presence_penalty", "frequency_penalty", "repetition_penalty",
+            "min_tokens", "min_p", "uses_processors", "uses_penalties", "num_logprobs",
+            "num_prompt_logprobs")  # fmt: skip
 
 
 @dataclass
@@ -48,7 +49,7 @@ class CachedRequestState:
     params: SamplingParams | BeamSearchParams
     num_prompt_tokens: int
     generator: torch.Generator | None  # its own random stream (seeded requests only)
-    beam_topk: int = 0  # a beam: return its 2·beam_width most likely next tokens instead of sampling
+    num_candidates: int = 0  # > 0: return its num_candidates most likely next tokens instead of sampling
     bias_ids: np.ndarray | None = None  # logit_bias: token ids [B] and their biases [B]
     bias_values: np.ndarray | None = None
     stop_ids: np.ndarray | None = None  # min_tokens: the ids masked until min_tokens are out (EOS, stop_token_ids)
@@ -76,7 +77,7 @@ class InputBatch:
         self.top_k = np.zeros(capacity, dtype=np.int64)
         self.top_p = np.ones(capacity, dtype=np.float32)
         self.seeded = np.zeros(capacity, dtype=bool)
-        self.beam_topk = np.zeros(capacity, dtype=np.int64)  # a beam: its 2·beam_width best tokens, no sample
+        self.num_candidates = np.zeros(capacity, dtype=np.int64)  # > 0: its best next tokens go back, no sample
         self.presence_penalty = np.zeros(capacity, dtype=np.float32)
         self.frequency_penalty = np.zeros(capacity, dtype=np.float32)
         self.repetition_penalty = np.ones(capacity, dtype=np.float32)
@@ -118,19 +119,21 @@ class InputBatch:
     # ---- requests in and out -----------------------------------------------------------------
     def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams | BeamSearchParams,
                     block_ids: list[int], num_computed_tokens: int, generator: torch.Generator | None,
-                    ) -> CachedRequestState:  # fmt: skip
+                    num_candidates: int = 0) -> CachedRequestState:  # fmt: skip
         """A row for a request. If anything about it fails, the row is given back and the error raised (the
         runner then fails that request alone)."""
         if not self._free_rows:
             self._grow()
         row = self._free_rows.pop()
         try:
-            return self._fill_row(row, req_id, prompt_token_ids, params, block_ids, num_computed_tokens, generator)
+            state = self._fill_row(row, req_id, prompt_token_ids, params, block_ids, num_computed_tokens, generator)
         except BaseException:
             self._release_row(row)
             self.requests.pop(req_id, None)
             self.req_id_to_row.pop(req_id, None)
             raise
+        state.num_candidates = self.num_candidates[row] = num_candidates
+        return state
 
     def _fill_row(self, row: int, req_id: str, prompt_token_ids: list[int], params, block_ids: list[int],
                   num_computed_tokens: int, generator: torch.Generator | None) -> CachedRequestState:  # fmt: skip
@@ -140,21 +143,18 @@ class InputBatch:
         self.num_tokens[row] = self.num_prompt_tokens[row] = n
         self.num_computed_tokens[row] = num_computed_tokens
         self.block_table.set_row(row, block_ids)
-        beam = isinstance(params, BeamSearchParams)
         self.max_tokens[row] = params.max_tokens
-        self.temperature[row] = 0.0 if beam else params.temperature
-        self.top_k[row] = self.vocab_size if beam or params.top_k < 1 else min(params.top_k, self.vocab_size)
-        self.top_p[row] = 1.0 if beam else params.top_p
+        self.temperature[row] = params.temperature
+        self.top_k[row] = self.vocab_size if params.top_k < 1 else min(params.top_k, self.vocab_size)
+        self.top_p[row] = params.top_p
         self.seeded[row] = generator is not None
         if generator is not None:
             self.generators[row] = generator
-        self.beam_topk[row] = 2 * params.beam_width if beam else 0
-        state = CachedRequestState(req_id, row, params, n, generator, int(self.beam_topk[row]))
+        state = CachedRequestState(req_id, row, params, n, generator)
         self.requests[req_id] = state
         self.req_id_to_row[req_id] = row
         self.row_state[row] = state
-        if not beam:
-            self._set_sampling_columns(state, params, prompt_token_ids)
+        self._set_sampling_columns(state, params, prompt_token_ids)
         return state
 
     def _set_sampling_columns(self, state: CachedRequestState, p: SamplingParams, prompt_token_ids: list[int]) -> None:
@@ -203,7 +203,7 @@ class InputBatch:
         parent = self.requests[parent_id]
         n, computed = int(self.num_tokens[parent.row]), int(self.num_computed_tokens[parent.row])
         prompt = self.token_ids[parent.row, : parent.num_prompt_tokens].tolist()
-        child = self.add_request(child_id, prompt, parent.params, block_ids, computed, generator)
+        child = self.add_request(child_id, prompt, parent.params, block_ids, computed, generator, parent.num_candidates)
         self.token_ids[child.row, :n] = self.token_ids[parent.row, :n]
         self.num_tokens[child.row] = n
         if self.num_prompt_logprobs[child.row] >= 0:  # the prompt's log-probabilities are its parent's to report
@@ -226,6 +226,7 @@ class InputBatch:
         self.generators.pop(row, None)
         self.row_state.pop(row, None)
         self.seeded[row] = False
+        self.num_candidates[row] = 0
         self.num_logprob_rows -= self.num_logprobs[row] >= 0
         self.num_prompt_logprob_rows -= self.num_prompt_logprobs[row] >= 0
         self.num_processor_rows -= self.uses_processors[row]

@@ -19,8 +19,8 @@ Built in the engine core's order (roseinfer/engine/core.py), as vLLM's EngineCor
                                                          goes on next step); a request verifying k drafts
                                                          brings k + 1 rows
       6. sample (roseinfer/sample/)                      the whole batch at once; verifying requests go to
-                                                         the rejection sampler; a beam returns its top
-                                                         2·beam_width tokens instead of a sample; the
+                                                         the rejection sampler; a request with candidates
+                                                         returns its top tokens instead of a sample; the
                                                          log-probabilities asked for, from the raw logits
       7. write the sampled tokens into the batch, propose drafts for the next step (speculative decoding:
          `propose_draft_token_ids`; the runner keeps the draft model's probabilities until it verifies)
@@ -51,12 +51,10 @@ from roseinfer.core.sched.output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOu
 from roseinfer.model_executor.loader import load_model
 from roseinfer.sample.logprobs import to_lists
 from roseinfer.sample.rejection_sampler import rejection_sample
-from roseinfer.sampling_params import SamplingParams
 from roseinfer.worker.input_batch import InputBatch
 from roseinfer.worker.kv_cache import KVCache, num_blocks_that_fit, swap_blocks
 from roseinfer.worker.prompt_logprobs import gather_prompt_logprobs
-from roseinfer.worker.step_handle import StepHandle, sample_plain
-from roseinfer.worker.step_inputs import StepInputs, prepare_step
+from roseinfer.worker.step_inputs import StepHandle, StepInputs, prepare_step, sample_plain
 from roseinfer.worker.step_isolation import Failures, error_message, run_in_parts, spans, without
 
 
@@ -253,11 +251,11 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, req_ids: list[str], rows: np.ndarray, nrows: np.ndarray,
                 scheduler_output: SchedulerOutput) -> StepHandle:  # fmt: skip
         """Turn the logits into tokens: the plain rows in one call of the sampler (their tokens come back through
-        `finish_step`), verifying requests through the rejection sampler, beams into their top tokens."""
+        `finish_step`), verifying requests through the rejection sampler, the others into their candidates."""
         input_batch = self.input_batch
-        beam = input_batch.beam_topk[rows] > 0
+        chosen = input_batch.num_candidates[rows] > 0  # their next tokens are chosen outside, from candidates
         spec = nrows > 1
-        plain = np.flatnonzero(~beam & ~spec)
+        plain = np.flatnonzero(~chosen & ~spec)
         all_plain = len(plain) == len(req_ids)
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=None if all_plain else [[] for _ in req_ids])
         handle = StepHandle(out, plain, rows if all_plain else rows[plain], None, None)
@@ -269,11 +267,11 @@ class ModelRunner:
         verified = []
         if spec.any():
             verified = self._verify(logits, req_ids, rows, nrows, np.flatnonzero(spec), scheduler_output, out)
-        for i in np.flatnonzero(beam).tolist():  # a beam: its best next tokens, for the beam search
+        for i in np.flatnonzero(chosen).tolist():  # the most likely next tokens, with their log-probabilities
             state = input_batch.requests[req_ids[i]]
             logprobs = torch.log_softmax(logits[int(last_row[i])].float(), dim=-1)  # [V]
-            top = torch.topk(logprobs, min(state.beam_topk, logprobs.shape[0]))
-            out.beam_logprobs[req_ids[i]] = (top.indices.tolist(), top.values.tolist())
+            top = torch.topk(logprobs, min(state.num_candidates, logprobs.shape[0]))
+            out.candidates[req_ids[i]] = (top.indices.tolist(), top.values.tolist())
         # the step's writes into the batch come last: a step that raised before them can run again
         if tokens is not None and input_batch.output_counts is not None:  # penalties: count what was sampled
             input_batch.count_sampled(self.to_device(handle.rows), tokens)
@@ -319,7 +317,7 @@ class ModelRunner:
             try:
                 generator = self._generator(new.sampling_params, 0)
                 input_batch.add_request(new.req_id, new.prompt_token_ids, new.sampling_params, new.block_ids,
-                                        new.num_computed_tokens, generator)  # fmt: skip
+                                        new.num_computed_tokens, generator, new.num_candidates)  # fmt: skip
             except Exception as e:
                 errors[new.req_id] = error_message(new.req_id, e)
         for fork in scheduler_output.forks:
@@ -357,7 +355,7 @@ class ModelRunner:
                 if self.proposer is not None:  # a draft's K/V past the change are gone
                     self.proposer.invalidate(cached_reqs.req_ids[i], update[0] * self.block_size)
         for i, tokens in enumerate(cached_reqs.new_token_ids):
-            if tokens:  # chosen by the beam search, not by our sampler
+            if tokens:  # chosen outside from its candidates, not by our sampler
                 input_batch.append_tokens(int(rows[i]), tokens)
 
     def apply_sampled(self, out: ModelRunnerOutput | None) -> None:
@@ -370,7 +368,7 @@ class ModelRunner:
                 input_batch.append_tokens(input_batch.req_id_to_row[rid], tokens)
 
     def _generator(self, params, index: int) -> torch.Generator | None:
-        return params.make_generator(self.device, index) if isinstance(params, SamplingParams) else None
+        return None if params.seed is None else params.make_generator(self.device, index)
 
     def move_blocks(self, scheduler_output: SchedulerOutput) -> None:
         """The block copies a step asks for, in every layer, before anything writes (see SchedulerOutput)."""

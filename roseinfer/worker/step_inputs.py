@@ -1,4 +1,5 @@
-"""One step's input tensors, built from the persistent batch with a handful of numpy operations.
+"""One step's tensors: its inputs, built from the persistent batch with a handful of numpy operations, and its
+sampled tokens on their way back (`StepHandle`).
 
 Every request's new tokens this step are laid end to end, decodes first, as one flat batch (no padding,
 no [B, T] rectangle):
@@ -14,7 +15,16 @@ no [B, T] rectangle):
 Each line is one vectorised expression over the rows of the step's requests: positions are
 `arange(N)` shifted per request, input ids one fancy-index into the token array, slots one into the
 block table. Decodes come first, longest context first (the sdpa backend batches runs of similar
-length); then prompt chunks and verifications (a request checking k drafts brings 1 + k rows).
+length); then prompt chunks and verifications (a request checking k drafts brings 1 + k rows). A token's slot
+is block_id * block_size + offset, its block read from the step's rows of the table.
+
+The sampled tokens of a launched step:
+
+    launch_step   sample on the device ─► copy the tokens to pinned host memory (non-blocking) ─► record an event
+    (the host schedules the next step meanwhile: async scheduling)
+    finish_step   wait for the event ─► write the tokens into the batch ─► ModelRunnerOutput
+
+On a CPU there is nothing to wait for: the tokens are the sampler's own tensor, and there is no event.
 """
 
 from __future__ import annotations
@@ -26,6 +36,9 @@ import numpy as np
 import torch
 
 from roseinfer.attention import AttentionBackend, AttentionMetadata, GatherBuffer
+from roseinfer.core.sched.output import ModelRunnerOutput
+from roseinfer.sample.logprobs import compute_logprobs
+from roseinfer.sample.sampler import sample
 from roseinfer.worker.input_batch import InputBatch
 
 
@@ -68,7 +81,7 @@ def prepare_step(
     bs = batch.block_table.block_size
     width = int(-(-seq_lens.max() // bs))
     block_tables = batch.block_table.table[rows, :width]  # [B, W]
-    slot_mapping = batch.block_table.slot_mapping(block_tables, req_of_token, positions)  # [N]
+    slot_mapping = block_tables[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs  # [N]
     qsl_cpu, lens_cpu = query_start_loc.tolist(), seq_lens.tolist()
     meta = AttentionMetadata(
         slot_mapping=to_device(slot_mapping),
@@ -86,3 +99,46 @@ def prepare_step(
         meta.plan = backend.prepare(meta, bs)  # once per step, for every layer
     return StepInputs(req_ids, rows, counts, query_start_loc, seq_lens, to_device(input_ids), to_device(positions),
                       meta)  # fmt: skip
+
+
+@dataclass
+class StepHandle:
+    """A launched step: its output so far, and the plain rows' tokens (maybe still landing in host memory)."""
+
+    out: ModelRunnerOutput
+    plain: np.ndarray  # indices into out.req_ids of the requests that sampled one token
+    rows: np.ndarray  # their rows in the input batch
+    tokens: torch.Tensor | None  # [P] int64 on the host
+    event: torch.cuda.Event | None  # recorded after the copy (CUDA)
+    logprobs: tuple | None = None  # (which of the plain rows, their N, host tensors of compute_logprobs)
+
+
+def sample_plain(input_batch: InputBatch, logits: torch.Tensor, rows: np.ndarray, handle: StepHandle,
+                 to_device: Callable[[np.ndarray], torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    """One token per row from the sampler, on their way to the host (with the event that says they are there);
+    the log-probabilities of the requests that want them (logprobs, or n > 1), from the raw logits. Returns the
+    tokens on the device."""
+    sampling = input_batch.sampling_tensors(rows, logits.device)
+    want = np.flatnonzero(input_batch.num_logprobs[rows] >= 0) if input_batch.num_logprob_rows else ()
+    raw = logits[to_device(want)] if len(want) else None  # a copy: the processors change logits in place
+    tokens = sample(logits, sampling)  # [S]
+    logprobs = None
+    if raw is not None:
+        nums = input_batch.num_logprobs[rows[want]]
+        logprobs = compute_logprobs(raw, tokens[to_device(want)], int(nums.max()))
+    if tokens.device.type == "cpu":
+        handle.tokens = tokens
+        handle.logprobs = None if logprobs is None else (want, nums, logprobs)
+        return tokens
+    handle.tokens = to_host(tokens)  # the host does other work while this lands
+    handle.logprobs = None if logprobs is None else (want, nums, tuple(to_host(x) for x in logprobs))
+    handle.event = torch.cuda.Event()
+    handle.event.record()
+    return tokens
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor's copy in pinned host memory, on its way (non-blocking)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host

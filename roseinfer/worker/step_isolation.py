@@ -165,7 +165,7 @@ def merge(into: ModelRunnerOutput, out: ModelRunnerOutput) -> None:
     """Add one part's output to the step's."""
     into.req_ids += out.req_ids
     into.sampled_token_ids += out.sampled_token_ids
-    for name in ("logprobs", "prompt_logprobs", "beam_logprobs", "spec_token_ids", "errors"):
+    for name in ("logprobs", "prompt_logprobs", "candidates", "spec_token_ids", "errors"):
         getattr(into, name).update(getattr(out, name))
 
 

@@ -44,7 +44,7 @@ IMPORT_RULES = {  # module -> the folders (or files) that may import it
     "roseinfer.worker.tp_worker": ("roseinfer/worker/", "benchmarks/engine/measure_tensor_parallel.py"),
 }  # (chapter 15's measurement times the tensor-parallel runner's broadcast by wrapping it)
 FRONT = ("roseinfer/engine/", "roseinfer/entrypoints/", "roseinfer/outputs.py", "roseinfer/__init__.py")
-THE_CORE = ("roseinfer/engine/core.py", "roseinfer/engine/beam_search.py")  # beam search runs inside the core
+THE_CORE = ("roseinfer/engine/core.py",)
 PROGRAMS = ("examples", "benchmarks", "tools", "scripts", "notebooks")
 MAX_LINES = 400
 

@@ -8,7 +8,11 @@ lacks, and books their slots, preempts them and swaps them back together:
     tokens_per_sequence([r, r#1, r#2], budget 64)  ->  [(r, 1), (r#1, 1), (r#2, 1)]
 
 A waiting request takes as many places in `running` as it will run sequences (`num_sequences_admitted`): n
-for parallel sampling (it forks after its prompt), the beam width for a beam search that has not started.
+for parallel sampling (it forks after its prompt), its group's `num_seqs` for one queued with a group (a beam
+search) that has not forked yet.
+
+A group whose next tokens are chosen outside the runner (a beam search) reports its sequences' candidates
+once every one of them has its own and has computed all its tokens (`ready_candidates`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from roseinfer.core.request import Request
+from roseinfer.core.sched.output import EngineCoreOutput
 
 
 def sequences_at(queue: Sequence[Request], i: int) -> list[Request]:
@@ -28,7 +33,7 @@ def sequences_at(queue: Sequence[Request], i: int) -> list[Request]:
 
 def tokens_per_sequence(seqs: list[Request], budget: int) -> list[tuple[Request, int]]:
     """The tokens each sequence of a request computes this step, within the budget: what it still lacks (0 for
-    a beam that waits for its siblings' log-probabilities). Sequences with nothing to compute are left out."""
+    a sequence whose candidates wait for its siblings'). Sequences with nothing to compute are left out."""
     work = []
     for s in seqs:
         n = (
@@ -43,17 +48,42 @@ def tokens_per_sequence(seqs: list[Request], budget: int) -> list[tuple[Request,
 
 
 def max_num_running_seqs(req: Request) -> int:
-    """The sequences a request runs at most (vLLM's get_max_num_running_seqs): n, or the beam width."""
-    p = req.sampling_params
-    return p.beam_width if req.is_beam else p.n
+    """The sequences a request runs at most (vLLM's get_max_num_running_seqs): n, or its group's size."""
+    return req.group.num_seqs if req.group is not None else req.sampling_params.n
 
 
 def num_sequences_admitted(req: Request) -> int:
-    """Places in `running` a waiting request will take: n for parallel sampling, beam_width for a search
-    that has not started; a sequence of a group that was preempted comes back on its own."""
+    """Places in `running` a waiting request will take: n for parallel sampling, its group's size for one
+    queued with a group that has not forked yet; a sequence of a group that was preempted comes back on its own."""
     group = req.group
     if group is None:
         return req.sampling_params.n
-    if req.is_beam and req.num_output_tokens == 0 and len(group.seqs) == 1:
+    if req.num_output_tokens == 0 and len(group.seqs) == 1:
         return group.num_seqs
     return 1
+
+
+def ready_candidates(requests: dict[str, Request], candidates: dict) -> list[EngineCoreOutput]:
+    """Keep each sequence's candidates (request id -> (token ids, log-probabilities)); report, per group, all of
+    them once every running sequence of the group has its own and has computed all its tokens."""
+    groups = []
+    for rid, cands in candidates.items():
+        req = requests.get(rid)
+        if req is not None:
+            req.candidates = cands
+            if req.group not in groups:
+                groups.append(req.group)
+    return [
+        EngineCoreOutput(g.group_id, [], candidates={s.request_id: s.candidates for s in g.seqs})
+        for g in groups
+        if all(s.candidates is not None and s.num_computed_tokens == s.num_tokens for s in g.seqs)
+    ]
+
+
+def side_by_side(queue: list[Request], seqs: list[Request]) -> None:
+    """Put those of `seqs` that are in `queue` side by side, in their order, where the first of them stands."""
+    members = set(seqs)  # the Request objects themselves (a set by identity)
+    at = next((i for i, r in enumerate(queue) if r in members), None)
+    if at is not None:
+        rest = [r for r in queue if r not in members]
+        queue[:] = rest[:at] + [s for s in seqs if s in queue] + rest[at:]

@@ -15,13 +15,13 @@ message can be pickled to another process (tensor parallelism) or read by a test
       scheduled_cached_reqs  CachedRequestData    requests the runner knows, one column per field:
                                                   num_computed_tokens at the start of this step, the tail
                                                   of the block table that changed ((j, ids): from index j
-                                                  on), tokens appended by someone other than the runner's
-                                                  sampler (beam search), resumed after a preemption
+                                                  on), tokens chosen outside the runner's sampler (a
+                                                  request with candidates), resumed after a preemption
       num_scheduled_tokens   {A: 1, B: 1, C: 48}  tokens to compute now, from num_computed_tokens on: 1 for
                                                   a decode, a chunk of a prompt (or all of it), 1 + k when
                                                   verifying k drafts
       scheduled_spec_decode_tokens {A: [d1, d2]}  the drafts each verifying request checks this step
-      forks                  [ForkedRequest]      new sequences that copy a parent's state (n > 1, beams)
+      forks                  [ForkedRequest]      new sequences that copy a parent's state (n > 1, a group's fork)
       blocks_to_swap_out / blocks_to_swap_in / blocks_to_copy    block moves, before the forward, in that
                                                   order (a swapped-out block may be reused in this step;
                                                   a copy may read a block that has just been swapped in)
@@ -33,8 +33,14 @@ fills the KV cache.
 
     ModelRunnerOutput       what came back: per request that reached its end, the tokens it got (one, or
                             the accepted drafts and one more), the log-probabilities asked for (and those
-                            that n > 1 and beam search need), the drafts proposed for the next step, and
-                            the requests that failed in the runner (they fail alone)
+                            that n > 1 needs), the candidates of the requests whose token is chosen outside,
+                            the drafts proposed for the next step, and the requests that failed in the runner
+
+Some requests do not sample: a request with `num_candidates` k > 0 gets back its k most likely next tokens
+(`ModelRunnerOutput.candidates`), and its next token is chosen outside the runner. The scheduler keeps them
+until every sequence of the request's group has its own, then reports them together
+(`EngineCoreOutput.candidates`); whoever chooses (the beam search, roseinfer/engine/beam_search.py) answers
+with a `GroupUpdate`, which the scheduler carries out: forks, finishes, the chosen tokens, the new order.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ class NewRequestData:
     sampling_params: SamplingParams | BeamSearchParams
     block_ids: list[int]
     num_computed_tokens: int
+    num_candidates: int = 0  # > 0: no sample; its num_candidates most likely next tokens go back instead
 
 
 @dataclass
@@ -70,7 +77,7 @@ class ForkedRequest:
 
     `sample_now`: n > 1 completions forked in the step that computes the parent's last prompt token; the
     child is not scheduled itself but samples its own first token from the parent's last row of logits.
-    Otherwise (a beam search's fork, made between steps) the child is scheduled like any request."""
+    Otherwise (a fork made between steps by a `GroupUpdate`) the child is scheduled like any request."""
 
     parent_id: str
     child_id: str
@@ -119,13 +126,13 @@ class ModelRunnerOutput:
     """Per request that reached the end of its sequence this step (in `req_ids` order):
 
     sampled_token_ids   its new tokens: one, or the drafts the target accepted and one of its own; [] for a
-                        beam, which returns log-probabilities instead
+                        request with candidates, which returns those instead
     logprobs            request id -> the sampled tokens' log-probabilities (requests with `logprobs`, and
                         n > 1 for the cumulative log-probability): one position per sampled token
     prompt_logprobs     request id -> its prompt's log-probabilities, positions 1 .. P - 1, in the step that
                         samples its first token (the runner gathers them chunk by chunk until then)
-    beam_logprobs       request id -> (token ids, log-probabilities) of its 2·beam_width most likely next
-                        tokens, best first: all a beam search step needs of a beam's distribution
+    candidates          request id -> (token ids, log-probabilities) of its `num_candidates` most likely next
+                        tokens, best first (a request whose next token is chosen outside the runner)
     spec_token_ids      request id -> the drafts proposed for its next step (speculative decoding)
     errors              request id -> why it failed in the runner (the rest of the step ran without it)
     """
@@ -134,7 +141,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
-    beam_logprobs: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
+    candidates: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
 
@@ -147,7 +154,9 @@ class EngineCoreOutput:
     """What the core reports about one request after a step (the output processor turns it into text).
 
     A sequence of a request with n > 1 completions reports under its own id, with its `group_id` and
-    `index`; a finished beam search reports once, under the request's id, with its best `beams`."""
+    `index`. A group whose next tokens are chosen outside reports, under its id, every running sequence's
+    `candidates` (sequence id -> (token ids, log-probabilities)); a request that ends with all its completions
+    at once (a beam search) reports them once, best first, in `completions`."""
 
     request_id: str
     new_token_ids: list[int]
@@ -156,10 +165,30 @@ class EngineCoreOutput:
     index: int = 0
     cumulative_logprob: float | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
-    beams: list[tuple[list[int], float, str]] | None = None  # (token ids, cum. log-probability, finish reason)
+    completions: list[tuple[list[int], float, str]] | None = None  # (token ids, cum. log-probability, finish)
     new_logprobs: LogprobsLists | None = None  # one position per new token (requests that asked)
     new_prompt_logprobs: LogprobsLists | None = None  # with the first token: prompt positions 1 .. P - 1
     error: str | None = None  # finish_reason "error": why
+    candidates: dict[str, tuple[list[int], list[float]]] | None = None
+
+
+@dataclass
+class GroupUpdate:
+    """The next sequences of a group, chosen outside the runner; the scheduler carries it out
+    (`Scheduler.update_group`). Sequence `seq_ids[i]` continues `parent_ids[i]` with `token_ids[i]`:
+
+        running  r (parent of two), r#1 (of none)      seq_ids    [r,   r#2, ...]
+                                                        parent_ids [r,   r,   ...]   r#2 is forked from r
+                                                        token_ids  [[7], [9], ...]   r#1 is finished
+
+    a new id is a fork of its parent (sharing its blocks), a sequence nobody continues is finished with
+    `finish_reason`, and the group's sequences then run in this order. No sequences: the group is done."""
+
+    group_id: str
+    seq_ids: list[str]
+    parent_ids: list[str]
+    token_ids: list[list[int]]
+    finish_reason: str = "abort"
 
 
 @dataclass

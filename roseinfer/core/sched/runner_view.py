@@ -9,7 +9,7 @@ decides which message it needs:
     preempted since it last ran   a cached entry, `resumed`, with the whole (new) block table
     otherwise                  a cached entry: num_computed_tokens, the table's changed tail if any (usually
                                nothing: a decode crosses into a new block once in block_size steps), and
-                               tokens the runner did not sample itself (a beam search's choices)
+                               tokens the runner did not sample itself (chosen from its candidates)
 
 The KV cache manager keeps no record of what the runner was told: each of its calls that changes a table
 returns what it did (a `KVCacheBlocks`), and the scheduler hands that to `record_blocks`. This class keeps,
@@ -37,7 +37,7 @@ class RunnerView:
         self.resumed: set[str] = set()  # preempted since they last ran: their next step sends a whole table
         self.unseen_from: dict[str, int] = {}  # seq id -> first table index changed since the runner last saw it
         self.new_token_ids: dict[str, list[int]] = {}  # tokens appended outside the runner's sampler
-        self.forks: list[ForkedRequest] = []  # forks made between steps (beam search)
+        self.forks: list[ForkedRequest] = []  # forks made between steps (`Scheduler.update_group`)
         self.finished_ids: set[str] = set()  # rows to drop, since the last step
 
     def start_step(self, out: SchedulerOutput) -> None:
@@ -72,8 +72,9 @@ class RunnerView:
             self.seen.add(rid)
             self.resumed.discard(rid)
             table = self._whole_table(rid)
+            p, computed = req.sampling_params, req.num_computed_tokens
             out.scheduled_new_reqs.append(
-                NewRequestData(rid, req.prompt_token_ids, req.sampling_params, table, req.num_computed_tokens)
+                NewRequestData(rid, req.prompt_token_ids, p, table, computed, req.num_candidates)
             )
             return
         resumed = rid in self.resumed

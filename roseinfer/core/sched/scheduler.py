@@ -8,7 +8,7 @@ cache), and each step hands out at most `max_num_batched_tokens` tokens of work:
   1. running requests first, oldest first: each gets what it still lacks, one token for a decode (plus its
      drafts, when it speculates), or the rest of a prompt (a chunk of it if the budget is short). Its KV
      slots are booked; while the pool lacks the blocks, the youngest running request is preempted. The
-     sequences of one request (n > 1, beam search) are booked and preempted as one;
+     sequences of one request (n > 1, a group such as a beam search) are booked and preempted as one;
   2. then, if this step preempted nobody, swapped requests come back, oldest first, while their blocks fit
      above the watermark;
   3. then, if nobody is left swapped, waiting requests, oldest first, while fewer than `max_num_seqs` run,
@@ -40,6 +40,7 @@ from collections import deque
 from roseinfer.config import SchedulerConfig
 from roseinfer.core.kv_cache_manager import KVCacheManager
 from roseinfer.core.request import Request, RequestGroup
+from roseinfer.core.sched import groups, output
 from roseinfer.core.sched.groups import max_num_running_seqs, num_sequences_admitted, sequences_at, tokens_per_sequence
 from roseinfer.core.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SpecDecodingStats
 from roseinfer.core.sched.runner_view import RunnerView
@@ -71,10 +72,10 @@ class Scheduler:
 
     # ---- requests in and out ---------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a request. One that could not fit the pool even alone (prompt + max_tokens) fails here."""
+        """Queue a request (with its group, if it runs as several sequences from the start). One that could not
+        fit the pool even alone (prompt + max_tokens) fails here."""
         self.check_fits(request)
-        if request.is_beam:
-            request.group = RequestGroup(request.request_id, request.sampling_params.beam_width, [request])
+        if request.group is not None:
             self.groups[request.request_id] = request.group
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -99,7 +100,7 @@ class Scheduler:
             )
 
     def finish_requests(self, request_ids, reason: str) -> None:
-        """End sequences now (an abort, a stop string, a lost beam): free their blocks and their places."""
+        """End sequences now (an abort, a stop string, one a `GroupUpdate` drops): free their blocks and places."""
         gone = []
         for rid in request_ids:
             req = self.requests.pop(rid, None)
@@ -148,7 +149,7 @@ class Scheduler:
                 i, budget = self._schedule_group(i, budget, out)
                 continue
             n = len(req.all_token_ids) + req.num_output_placeholders - req.num_computed_tokens
-            if n == 0 or (req.num_output_placeholders and req.last_token_in_flight):  # a waiting beam; or done
+            if n == 0 or (req.num_output_placeholders and req.last_token_in_flight):  # waits for its token; or done
                 i += 1
                 continue
             n = min(n, budget)
@@ -266,7 +267,7 @@ class Scheduler:
                 out.scheduled_spec_decode_tokens[req.request_id] = req.spec_token_ids[:drafts]
         req.num_computed_tokens += n
         if self.async_scheduling and req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
-            req.num_output_placeholders += not req.is_beam  # it samples now: its token is in flight till the output
+            req.num_output_placeholders += not req.num_candidates  # it samples now: its token is in flight till then
         if req.sampling_params.n > 1 and req.group is None and req.num_computed_tokens >= req.num_tokens:
             return self._fork_parallel_samples(req, out)
         return 0
@@ -300,7 +301,7 @@ class Scheduler:
         logprobs, prompt_logprobs = out.logprobs, out.prompt_logprobs
         for rid, tokens in zip(out.req_ids, out.sampled_token_ids, strict=True):
             req = self.requests.get(rid)
-            if req is None or not tokens:  # gone meanwhile, or a beam (its log-probabilities go to the search)
+            if req is None or not tokens:  # gone meanwhile, or its token is chosen outside (its candidates: below)
                 continue
             if scheduled is not None and scheduled.get(rid) is not req:
                 continue  # async: that request ended meanwhile and a new one took its id
@@ -331,6 +332,8 @@ class Scheduler:
                 req.spec_token_ids = proposed.get(rid, [])
         if finished:
             self.finish_requests(finished, "stop")
+        if out.candidates:  # groups whose sequences all have their candidates report them
+            outputs += groups.ready_candidates(self.requests, out.candidates)
         return outputs
 
     def _count_accepted(self, req: Request, num_drafts: int, accepted: int) -> None:
@@ -341,33 +344,31 @@ class Scheduler:
         blocks = self.kv_cache_manager.trim(req.request_id, req.num_computed_tokens, self.lookahead)
         self.runner_view.record_blocks(req.request_id, blocks)
 
-    # ---- beam search: the engine core picks the beams, the scheduler keeps the books -----------------
-    def fork_request(self, parent: Request) -> Request:
-        """A new sequence that continues `parent` (a beam chosen twice), sharing its blocks; it stands right
-        after its parent in `running`, and the runner copies the parent's state at the next step."""
-        group = parent.group
-        child = parent.fork(group.new_seq_id(), len(group.seqs))
-        self.kv_cache_manager.fork(parent.request_id, child.request_id)
-        self.requests[child.request_id] = child
-        self.runner_view.forks.append(self.runner_view.fork(parent, child, sample_now=False))
-        self.running.insert(self.running.index(parent) + 1, child)  # beams step while they all run
-        return child
-
-    def append_token_ids(self, req: Request, token_ids: list[int]) -> None:
-        """Tokens chosen outside the runner's sampler (beam search): the request has them, the runner learns
-        them with the request's next step."""
-        req.all_token_ids += token_ids
-        self.runner_view.new_token_ids.setdefault(req.request_id, []).extend(token_ids)
-
-    def reorder_group(self, group: RequestGroup) -> None:
-        """Put a group's running sequences side by side in `running`, in the group's order (best beam first)."""
-        members = set(group.seqs)  # the Request objects themselves (a set by identity)
-        at = next((i for i, r in enumerate(self.running) if r in members), None)
-        if at is None:
-            return
-        rest = [r for r in self.running if r not in members]
-        here = [s for s in group.seqs if s in self.running]
-        self.running[:] = rest[:at] + here + rest[at:]
+    # ---- a group's next sequences, chosen outside the runner --------------------------------------
+    def update_group(self, update: output.GroupUpdate) -> None:
+        """Carry out a `GroupUpdate`: forks first, while every parent has its old tokens (a child shares its parent's
+        blocks and stands right after it; the runner copies the parent's row), then the ones nobody continues finish,
+        each gets its tokens (the runner learns them next step), and they stand side by side in the update's order."""
+        group = self.groups[update.group_id]
+        old = {s.request_id: s for s in group.seqs}
+        seqs, index = [], len(group.seqs)
+        for sid, pid in zip(update.seq_ids, update.parent_ids, strict=True):
+            if sid == pid:
+                seqs.append(old[pid])
+                continue
+            parent, child = old[pid], old[pid].fork(sid, index)
+            seqs.append(child)
+            self.kv_cache_manager.fork(pid, sid)
+            self.requests[sid] = child
+            self.runner_view.forks.append(self.runner_view.fork(parent, child, sample_now=False))
+            self.running.insert(self.running.index(parent) + 1, child)
+        group.seqs = seqs
+        self.finish_requests([rid for rid in old if rid not in update.seq_ids], update.finish_reason)
+        for s, tokens in zip(seqs, update.token_ids, strict=True):
+            s.all_token_ids += tokens
+            s.candidates = None
+            self.runner_view.new_token_ids.setdefault(s.request_id, []).extend(tokens)
+        groups.side_by_side(self.running, seqs)
 
     # ---- preemption --------------------------------------------------------------------
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
