@@ -17,8 +17,8 @@ per byte or two it reads, so memory bandwidth, not arithmetic, bounds it (the de
 
 The kernels are listed once, next to them, in roseinfer/attention/triton_registry.py's KERNELS: one entry per
 kernel with the arguments of a real launch at a given model shape. A new kernel in a file of its MODULES
-(roseinfer/attention/triton_kernels.py, triton_prefill.py, triton_copy.py) gets an entry there;
-tests/test_08_triton_aot.py fails until it has one.
+(roseinfer/attention/triton_kernels.py, triton_prefill.py, triton_copy.py, roseinfer/model_executor/triton_ops.py)
+gets an entry there; tests/test_08_triton_aot.py fails until it has one.
 SHAPES are multi-head models; GQA_SHAPES grouped-query ones (fewer K/V heads than query heads), compiled
 as well and reported apart (the JSON's `gqa_shapes` and `gqa_results`; `--gqa-only` compiles just those).
 
@@ -194,6 +194,7 @@ def main() -> int:
     print("each launch: a decode step of 64 sequences at the model's full context (write: their 64 new tokens),")
     print("split-K with S = 4, prefill: 4 whole prompts of the model's context in one launch,")
     print(f"copy_blocks: {COPY_PAIRS} block copies in every layer's K and V (it writes as many bytes as it reads);")
+    print("fused ops (RMSNorm with the residual, rotary, SiLU-and-mul): one layer's, for the 64 tokens of that step;")
     print("MB = bytes it must read; µs = that read at the full HBM bandwidth")
     head = f"{'kernel':<30} {'shape':<17} {'regs':>7} {'spill':>5} {'smem':>11}  {'widest load':<17} {'grid':<12}"
     print(f"\n{'':<49}{'sm_80 / sm_90':^25}".rstrip())

@@ -2,8 +2,10 @@
 shape, its grid, and the bytes one launch must read. tools/triton_aot.py compiles each entry of KERNELS for sm_80 and
 sm_90 and prints the decode roofline from `bytes_read`.
 
-A new kernel in a file of MODULES (triton_kernels.py, triton_prefill.py, triton_copy.py) gets an entry in KERNELS;
-tests/test_08_triton_aot.py fails until it has one. SHAPES are multi-head models; GQA_SHAPES grouped-query ones
+A new kernel in a file of MODULES (triton_kernels.py, triton_prefill.py, triton_copy.py, and the model's fused ops in
+roseinfer/model_executor/triton_ops.py) gets an entry in KERNELS; tests/test_08_triton_aot.py fails until it has one.
+This table is the one module of attention/ that imports from model_executor/ (a layer above it): it lists every
+kernel for the compiler, and the engine never imports it. SHAPES are multi-head models; GQA_SHAPES grouped-query ones
 (fewer K/V heads than query heads).
 """
 
@@ -19,8 +21,9 @@ import triton
 import triton.language as tl
 
 from roseinfer.attention import triton_copy, triton_kernels, triton_prefill
+from roseinfer.model_executor import triton_ops
 
-MODULES = [triton_kernels, triton_prefill, triton_copy]  # every file of roseinfer that defines and launches kernels
+MODULES = [triton_kernels, triton_prefill, triton_copy, triton_ops]  # every file of roseinfer that launches kernels
 
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 TL_DTYPES = {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}  # a dtype as a kernel's constexpr
@@ -40,6 +43,7 @@ class Shape:
     batch: int = 64  # sequences in the decode step
     splits: int = 4  # S for the split-K kernels
     n_kv_head: int = 0  # Hkv, the K/V heads (grouped-query attention); 0 = n_head (multi-head attention)
+    n_inner: int = 0  # I, the MLP's width (SwiGLU's gate and up are I each); 0 = 4 * hidden, GPT-2's
 
     @property
     def max_blocks(self) -> int:  # width of the block table
@@ -54,6 +58,14 @@ class Shape:
         return self.n_head // self.kv_heads
 
     @property
+    def hidden(self) -> int:  # C, the residual stream's width (H * D in every model listed here)
+        return self.n_head * self.head_dim
+
+    @property
+    def inner(self) -> int:  # I
+        return self.n_inner or 4 * self.hidden
+
+    @property
     def qkv_width(self) -> int:  # elements per token of the fused QKV projection: q, k and v are views into it
         return (self.n_head + 2 * self.kv_heads) * self.head_dim
 
@@ -63,9 +75,10 @@ SHAPES = [
     Shape("gpt2", n_head=12, head_dim=64, n_ctx=1024, n_layer=12),  # GPT-2 small
     Shape("gpt2-medium", n_head=16, head_dim=64, n_ctx=1024, n_layer=24),
 ]
-GQA_SHAPES = [  # grouped-query attention: G = n_head // n_kv_head query heads read each K/V head
-    Shape("smollm2-135m", n_head=9, n_kv_head=3, head_dim=64, n_ctx=8192, n_layer=30),  # G = 3, Hkv not a power of 2
-    Shape("qwen2.5-0.5b", n_head=14, n_kv_head=2, head_dim=64, n_ctx=32768, n_layer=24),  # G = 7
+GQA_SHAPES = [  # grouped-query attention: G = n_head // n_kv_head query heads read each K/V head; n_inner: SwiGLU's I
+    # G = 3, Hkv not a power of 2
+    Shape("smollm2-135m", n_head=9, n_kv_head=3, head_dim=64, n_ctx=8192, n_layer=30, n_inner=1536),
+    Shape("qwen2.5-0.5b", n_head=14, n_kv_head=2, head_dim=64, n_ctx=32768, n_layer=24, n_inner=4864),  # G = 7
 ]
 
 
@@ -245,7 +258,65 @@ KERNELS: dict[str, Kernel] = {
             2 * s.n_layer * COPY_PAIRS * _block_numel(s) * DTYPE_BYTES[s.dtype] + COPY_PAIRS * 16 + s.n_layer * 16
         ),  # the src blocks, the pairs, the pointer table
     ),
+    # the fused ops of a Llama layer (model_executor/triton_ops.py), each at one decode step of s.batch tokens:
+    # RMSNorm with the residual add, in place (x -> out): a row of C per token
+    "_rms_norm_kernel": Kernel(
+        args=lambda s: dict(
+            out_ptr=ptr(s.dtype),
+            x_ptr=ptr(s.dtype),
+            residual_ptr=ptr(s.dtype),
+            weight_ptr=ptr(s.dtype),
+            **{f"stride_{t}{i}": i32(s.hidden) for t in "oxr" for i in (1, 2)},  # [B, 1, C] rows, contiguous
+            n_cols=i32(s.hidden),
+            eps=f32(),
+            HAS_RESIDUAL=const(True),
+            BLOCK=const(triton.next_power_of_2(s.hidden)),
+        ),
+        grid=lambda s: (s.batch, 1),
+        bytes_read=lambda s: (2 * s.batch + 1) * s.hidden * DTYPE_BYTES[s.dtype],  # x, residual, weight
+    ),
+    # q and k rotated in place, as views into the fused qkv output; neox layout
+    "_rotary_kernel": Kernel(
+        args=lambda s: dict(
+            q_ptr=ptr(s.dtype),
+            k_ptr=ptr(s.dtype),
+            cos_ptr=ptr(s.dtype),
+            sin_ptr=ptr(s.dtype),
+            stride_qn=i32(s.qkv_width),
+            stride_qh=i32(s.head_dim),
+            stride_kn=i32(s.qkv_width),
+            stride_kh=i32(s.head_dim),
+            stride_cn=i32(s.head_dim),  # cos, sin [N, 1, D] as RotaryEmbedding.forward returns them
+            stride_sn=i32(s.head_dim),
+            num_heads=int_arg(s.n_head),
+            num_kv_heads=int_arg(s.kv_heads),
+            HEAD_DIM=const(s.head_dim),
+            HALF_POW2=const(triton.next_power_of_2(s.head_dim // 2)),
+            Q_HEADS_POW2=const(triton.next_power_of_2(s.n_head)),
+            KV_HEADS_POW2=const(triton.next_power_of_2(s.kv_heads)),
+            IS_NEOX=const(True),
+        ),
+        grid=lambda s: (s.batch,),
+        bytes_read=lambda s: s.batch * (s.n_head + s.kv_heads + 1) * s.head_dim * DTYPE_BYTES[s.dtype],  # + D/2 each
+    ),
+    # SwiGLU's gate: [B, 2I] -> [B, I]
+    "_silu_and_mul_kernel": Kernel(
+        args=lambda s: dict(
+            out_ptr=ptr(s.dtype),
+            x_ptr=ptr(s.dtype),
+            stride_xr=i32(2 * s.inner),
+            stride_or=i32(s.inner),
+            d=i32(s.inner),
+            BLOCK=const(_silu_block(s)),
+        ),
+        grid=lambda s: (s.batch, triton.cdiv(s.inner, _silu_block(s))),
+        bytes_read=lambda s: s.batch * 2 * s.inner * DTYPE_BYTES[s.dtype],
+    ),
 }
+
+
+def _silu_block(s: Shape) -> int:  # as silu_and_mul picks it
+    return min(triton_ops._SILU_BLOCK, triton.next_power_of_2(s.inner))
 
 
 def launched_kernels() -> set[str]:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from roseinfer.model_executor.custom_op import CustomOp
+from roseinfer.model_executor.custom_op import CustomOp, triton_importable
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
@@ -67,3 +67,12 @@ class SiluAndMul(CustomOp):
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., 2I] -> [..., I] in one Triton kernel (triton_ops.py)."""
+        from roseinfer.model_executor import triton_ops
+
+        return triton_ops.silu_and_mul(x)
+
+    def has_cuda_kernel(self) -> bool:
+        return triton_importable()

@@ -24,6 +24,7 @@ So each op here is a module with three ways to run:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -83,3 +84,14 @@ def set_custom_op_impl(model: nn.Module, impl: str) -> None:
     for module in model.modules():
         if isinstance(module, CustomOp):
             module.set_impl(impl)
+
+
+@functools.cache
+def triton_importable() -> bool:
+    """Whether the Triton kernels of `forward_cuda` can load (triton_ops.py imports triton); asked once, on a
+    CUDA tensor's first call only, so CPU runs never import triton."""
+    try:
+        from roseinfer.model_executor import triton_ops  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from roseinfer.model_executor.custom_op import CustomOp
+from roseinfer.model_executor.custom_op import CustomOp, triton_importable
 
 
 class RMSNorm(CustomOp):
@@ -36,3 +36,14 @@ class RMSNorm(CustomOp):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * h.to(x.dtype)
         return out if residual is None else (out, residual)
+
+    def forward_cuda(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """One Triton program per row (triton_ops.py); with a residual, x and residual are overwritten."""
+        from roseinfer.model_executor import triton_ops
+
+        return triton_ops.rms_norm(x, self.weight, self.eps, residual)
+
+    def has_cuda_kernel(self) -> bool:
+        return triton_importable()

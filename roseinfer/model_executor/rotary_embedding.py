@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from roseinfer.model_executor.custom_op import CustomOp
+from roseinfer.model_executor.custom_op import CustomOp, triton_importable
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -82,6 +82,15 @@ class ApplyRotary(CustomOp):
         if self.is_neox:
             return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return apply_rotary_interleaved(q, cos, sin), apply_rotary_interleaved(k, cos, sin)
+
+    def forward_cuda(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q and k turned in place, one Triton program per token for all its heads (triton_ops.py)."""
+        from roseinfer.model_executor import triton_ops
+
+        return triton_ops.rotary(q, k, cos, sin, self.is_neox)
+
+    def has_cuda_kernel(self) -> bool:
+        return triton_importable()
 
 
 def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
