@@ -29,7 +29,10 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from roseinfer import custom_ops
+
 IMPLS = ("auto", "native", "compile")
+CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the C++ ops take; fp64 runs native
 
 
 class CustomOp(nn.Module):
@@ -72,7 +75,8 @@ class CustomOp(nn.Module):
         return self.forward_native(*args, **kwargs)
 
     def has_cpu_kernel(self) -> bool:
-        return False
+        """The C++ ops are there: built (the first time) and loaded (`roseinfer/custom_ops.py`)."""
+        return custom_ops.available()
 
     def has_cuda_kernel(self) -> bool:
         return False
