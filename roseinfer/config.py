@@ -28,7 +28,7 @@ import torch
 
 from roseinfer.attention import resolve_backend_name
 from roseinfer.checks import check_bool, check_int, check_number, is_int
-from roseinfer.model_executor.custom_op import IMPLS as CUSTOM_OP_IMPLS
+from roseinfer.model_executor.custom_op import check_impl
 from roseinfer.model_executor.onednn_linear import LINEAR_BACKENDS, resolve_linear_backend
 from roseinfer.model_executor.registry import ModelConfigType
 
@@ -192,9 +192,7 @@ class EngineArgs:
     attention_backend: str = _arg("auto", "'auto' (triton on CUDA, cpu on a CPU), 'torch', 'sdpa', 'cpu' or 'triton'")
     linear_backend: str = _arg("auto", "'auto' (onednn on a CPU in fp32/bf16, else aten), 'onednn' or 'aten'",
                                choices=list(LINEAR_BACKENDS))  # fmt: skip
-    custom_ops: str = _arg("auto", "the layers' small fused ops (RMSNorm, RoPE, SiLU·up): 'auto' (the C++/Triton "
-                           "kernel where there is one), 'native' (PyTorch) or 'compile' (torch.compile)",
-                           choices=list(CUSTOM_OP_IMPLS))  # fmt: skip
+    custom_ops: str = _arg("auto", "RMSNorm, RoPE, SiLU·up: 'auto' (fused C++/Triton), 'native' or 'compile'")
     enable_chunked_prefill: bool = _arg(True, "cut long prompts into chunks that fit the token budget")
     enable_prefix_caching: bool = _arg(True, "prompts that start alike share the KV blocks of that start")
     watermark: float = _arg(0.01, "share of the KV pool that admitting a request must leave free")
@@ -220,10 +218,7 @@ class EngineArgs:
         check_int("max_model_len", self.max_model_len, none_ok=True)
         if not isinstance(self.attention_backend, str):
             raise TypeError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        if not isinstance(self.custom_ops, str):
-            raise TypeError(f"custom_ops must be one of {CUSTOM_OP_IMPLS}, got {self.custom_ops!r}")
-        if self.custom_ops not in CUSTOM_OP_IMPLS:
-            raise ValueError(f"unknown custom_ops {self.custom_ops!r}; use one of {CUSTOM_OP_IMPLS}")
+        check_impl(self.custom_ops)
         check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_number("watermark", self.watermark, 0, 1, "a number in [0, 1)")

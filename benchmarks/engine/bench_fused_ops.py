@@ -15,7 +15,9 @@ batch: 1, 32, 256; a prefill chunk: 2048), each op is called the way LlamaForCau
     native    the CustomOp's forward_native (PyTorch ops)
     fused     its forward_cpu (the C++ op, Python wrapper included: what the model pays)
     compile   torch.compile(forward_native, dynamic=True), as custom_ops="compile" runs it; the first calls'
-              compile time is reported apart (`compile_s`), not in the per-call time
+              compile time is reported apart (`compile_s`, per op and N: N = 1 compiles a graph of its own, the
+              next N the dynamic one, the rest reuse it), not in the per-call time; inductor's caches are off
+              unless --warm-compile-cache
 
 A time is the median over `--repeats` batches of the mean per-call time in a batch of calls (each batch about
 20 ms). On a shared machine the numbers move between runs by 10-30%: compare columns of one run, not runs.
@@ -25,14 +27,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch._inductor.config as inductor_config
 
+from benchmarks.benchmark import device_name
 from benchmarks.common import git_version
 from roseinfer import custom_ops
 from roseinfer.attention.sdpa import write_kv_flat
@@ -130,11 +133,18 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--repeats", type=int, default=7, help="timed batches per cell (the median is reported)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    p.add_argument(
+        "--warm-compile-cache",
+        action="store_true",
+        help="let torch.compile reuse inductor's on-disk cache (compile_s then measures a cache hit)",
+    )
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args(argv)
     if not custom_ops.available():
         raise SystemExit("the C++ extension could not be built: there is no fused column to measure")
     dtype = getattr(torch, args.dtype)
+    if not args.warm_compile_cache:
+        inductor_config.force_disable_caches = True  # compile_s: a first compile, not a cache hit
     impls = ["native", "fused"] + ([] if args.no_compile else ["compile"])
     ops, rows, compile_s = Ops(dtype), [], {}  # compile_s: (op, N) -> seconds of the first compiled call
     with torch.inference_mode():
@@ -152,7 +162,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "benchmark": "bench_fused_ops",
         "shapes": dict(hidden=C, heads=H, kv_heads=HKV, head_dim=D, intermediate=INTER, dtype=args.dtype),
-        "machine": dict(cpu=platform.processor() or platform.machine(), torch=torch.__version__),
+        "machine": dict(cpu=device_name(torch.device("cpu")).split(" (")[0], torch=torch.__version__),
+        "compile_cache": "warm" if args.warm_compile_cache else "cold (torch._inductor caches disabled)",
         "git": git_version(),
         "unit": "microseconds per call (median of batches)",
         "results": rows,

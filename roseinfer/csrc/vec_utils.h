@@ -38,10 +38,11 @@ namespace roseinfer {
 using fVec = at::vec::Vectorized<float>;
 constexpr int64_t kW = fVec::size();  // floats per vector: 16 with AVX-512, 8 with AVX2
 
-// Work (elements) below which an op stays on the calling thread: waking the second OpenMP thread and joining
-// it costs a few microseconds, about what one thread needs for ~32K elements of these ops (benchmarks/engine/
-// bench_fused_ops.py). So a decode step's rows (N <= 256 at C = 576) run on one thread, a prefill's on all.
-constexpr int64_t kParallelElems = 32768;
+// Work (elements) below which an op stays on the calling thread. Waking the second OpenMP thread and joining it
+// costs several microseconds; measured on the 2-core EPYC with every op forced parallel, 2 threads only won from
+// ~40-70K elements (rms_norm at C = 576: even at 64 rows, 1.5x at 128; silu_and_mul's exp-bound rows already at
+// 16-32 rows of 4608). So a decode step's norms and rotations (N <= ~80 rows) run on one thread, a prefill's on all.
+constexpr int64_t kParallelElems = 49152;
 
 inline int64_t grain_rows(int64_t elems_per_row) {
   return std::max<int64_t>(1, kParallelElems / std::max<int64_t>(1, elems_per_row));

@@ -5,7 +5,8 @@
     DecoderLayer:  x = x + self_attn(input_layernorm(x), positions)     RMSNorm, then attention with RoPE
                    x = x + mlp(post_attention_layernorm(x))             RMSNorm, then SwiGLU
                    (written as vLLM does: each norm takes the block's output and the residual stream, adds
-                   them and normalises the sum, one fused op: layernorm.py; the rotation and SiLU·up too)
+                   them and normalises the sum, one fused op: layernorm.py; the rotation and SiLU·up too;
+                   where the backend's K/V layout is write_kv_flat's, the rotation's pass also writes K and V)
 
 What differs from GPT-2 (gpt2.py), and where an inference engine feels it:
 
