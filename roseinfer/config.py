@@ -28,6 +28,7 @@ import torch
 
 from roseinfer.attention import resolve_backend_name
 from roseinfer.checks import check_bool, check_int, check_number, is_int
+from roseinfer.model_executor.custom_op import check_impl
 from roseinfer.model_executor.onednn_linear import LINEAR_BACKENDS, resolve_linear_backend
 from roseinfer.model_executor.registry import ModelConfigType
 
@@ -100,6 +101,7 @@ class ModelConfig:
     attention_backend: str  # "torch" | "sdpa" | "cpu" | "triton" (never "auto": decided for the device)
     linear_backend: str = "aten"  # "onednn" | "aten" (never "auto": decided for the device and dtype)
     max_model_len: int = 0  # the context the engine serves: the model's, or less (0: the model's)
+    custom_ops: str = "auto"  # "auto" | "native" | "compile": how the layers' small ops run (custom_op.py)
 
     def __post_init__(self) -> None:
         self.max_model_len = self.max_model_len or self.hf_config.max_position_embeddings
@@ -190,6 +192,7 @@ class EngineArgs:
     attention_backend: str = _arg("auto", "'auto' (triton on CUDA, cpu on a CPU), 'torch', 'sdpa', 'cpu' or 'triton'")
     linear_backend: str = _arg("auto", "'auto' (onednn on a CPU in fp32/bf16, else aten), 'onednn' or 'aten'",
                                choices=list(LINEAR_BACKENDS))  # fmt: skip
+    custom_ops: str = _arg("auto", "RMSNorm, RoPE, SiLU·up: 'auto' (fused C++/Triton), 'native' or 'compile'")
     enable_chunked_prefill: bool = _arg(True, "cut long prompts into chunks that fit the token budget")
     enable_prefix_caching: bool = _arg(True, "prompts that start alike share the KV blocks of that start")
     watermark: float = _arg(0.01, "share of the KV pool that admitting a request must leave free")
@@ -215,6 +218,7 @@ class EngineArgs:
         check_int("max_model_len", self.max_model_len, none_ok=True)
         if not isinstance(self.attention_backend, str):
             raise TypeError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        check_impl(self.custom_ops)
         check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_number("watermark", self.watermark, 0, 1, "a number in [0, 1)")
@@ -241,7 +245,7 @@ class EngineArgs:
         model_dir = resolve_model_dir(self.model)
         hf = read_model_config(model_dir)
         max_len = check_max_model_len(self.max_model_len, hf)
-        model_config = ModelConfig(model_dir, hf, device, dtype, backend, linear_backend, max_len)
+        model_config = ModelConfig(model_dir, hf, device, dtype, backend, linear_backend, max_len, self.custom_ops)
         check_tensor_parallel_shapes(hf.num_attention_heads, hf.num_key_value_heads, hf.intermediate_size, tp)
         bytes_per_token = model_config.kv_bytes_per_token(tp)
         check_kv_pool(self.block_size, self.num_blocks, self.kv_cache_memory, max_len, bytes_per_token, device)

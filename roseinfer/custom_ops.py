@@ -40,7 +40,9 @@ def sources() -> list[Path]:
 def available() -> bool:
     """Build (first time) and load the library; False, with a warning, where it cannot be built."""
     files = sources()
-    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files) + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    headers = sorted(CSRC.glob("*.h"))  # shared by several sources: a change to one rebuilds the library too
+    code = b"".join(f.read_bytes() for f in files + headers)
+    digest = hashlib.sha256(code + " ".join(CFLAGS).encode()).hexdigest()[:12]
     try:
         from torch.utils.cpp_extension import load
 

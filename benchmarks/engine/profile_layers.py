@@ -133,7 +133,8 @@ def main() -> None:
         for t in cols:
             v, wall = by_threads[t][part], by_threads[t]["wall"]
             cells += f"{v * 1e3:16.0f}{100 * v / wall:6.1f}%"
-        ratio = by_threads[cols[0]][part] / by_threads[cols[-1]][part] if len(cols) > 1 else None
+        last = by_threads[cols[-1]][part]  # 0 for "rotary" where the K/V write's pass rotates (it is in attention)
+        ratio = by_threads[cols[0]][part] / last if len(cols) > 1 and last else None
         print(f"{part:<18}{cells}{f'{ratio:9.2f}' if ratio else ''}")
     tok_s = {t: 32 * 64 / by_threads[t]["wall"] for t in cols}
     print("tok/s " + ", ".join(f"{t} thread(s): {v:.1f}" for t, v in tok_s.items()))

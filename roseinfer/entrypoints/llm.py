@@ -41,7 +41,8 @@ class LLM:
         keys) turns on speculative decoding: {"method": "ngram" | "draft_model", "num_speculative_tokens": k,
         ...}. `tensor_parallel_size`: split every layer across that many processes (gloo on CPU, NCCL on CUDA);
         `close()`, `with LLM(...) as llm:`, garbage collection or exit stop them. `enforce_eager` (CUDA): no
-        CUDA graphs."""
+        CUDA graphs. `custom_ops`: how a Llama layer's small ops (RMSNorm, RoPE, SiLU·up) run: 'auto' (the fused
+        C++ or Triton kernel where there is one), 'native' (PyTorch) or 'compile' (torch.compile)."""
         self.llm_engine = LLMEngine(model, **kwargs)
         self.tokenizer = self.llm_engine.tokenizer
 

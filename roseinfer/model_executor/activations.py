@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from roseinfer.model_executor.custom_op import CustomOp, triton_importable
+from roseinfer.model_executor.custom_op import CPU_KERNEL_DTYPES, CustomOp, triton_importable
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
@@ -76,3 +76,16 @@ class SiluAndMul(CustomOp):
 
     def has_cuda_kernel(self) -> bool:
         return triton_importable()
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        """torch.ops.roseinfer.silu_and_mul (roseinfer/csrc/activation.cpp): x [..., 2I] -> a new [..., I]."""
+        if x.dim() == 0 or x.stride(-1) != 1 or x.dtype not in CPU_KERNEL_DTYPES:
+            return self.forward_native(x)
+        if x.dim() == 2:  # the model's [N, 2I]
+            out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)  # [N, I]
+            torch.ops.roseinfer.silu_and_mul(out, x)
+            return out
+        rows = x.reshape(-1, x.shape[-1])  # [N, 2I]: a view where the leading dims are contiguous, else a copy
+        out = torch.empty((rows.shape[0], rows.shape[1] // 2), dtype=x.dtype)
+        torch.ops.roseinfer.silu_and_mul(out, rows)
+        return out.view(*x.shape[:-1], -1)

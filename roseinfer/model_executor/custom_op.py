@@ -30,7 +30,10 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from roseinfer.custom_ops import available as cpu_ops_available
+
 IMPLS = ("auto", "native", "compile")
+CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the C++ ops take; fp64 runs native
 
 
 class CustomOp(nn.Module):
@@ -47,9 +50,7 @@ class CustomOp(nn.Module):
         return self._forward(*args, **kwargs)
 
     def set_impl(self, impl: str) -> None:
-        if impl not in IMPLS:
-            raise ValueError(f"custom_ops={impl!r}: use one of {', '.join(IMPLS)}")
-        self.impl, self._forward = impl, None
+        self.impl, self._forward = check_impl(impl), None
 
     def choose(self, device: torch.device) -> Callable:
         """The implementation this module runs on `device`."""
@@ -73,10 +74,20 @@ class CustomOp(nn.Module):
         return self.forward_native(*args, **kwargs)
 
     def has_cpu_kernel(self) -> bool:
-        return False
+        """The C++ ops are there: built (the first time) and loaded (`roseinfer/custom_ops.py`)."""
+        return cpu_ops_available()
 
     def has_cuda_kernel(self) -> bool:
         return False
+
+
+def check_impl(impl: str) -> str:
+    """The `custom_ops` setting, checked: one of IMPLS (a TypeError or ValueError naming the setting otherwise)."""
+    if not isinstance(impl, str):
+        raise TypeError(f"custom_ops must be one of {IMPLS}, got {impl!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"unknown custom_ops {impl!r}; use one of {IMPLS}")
+    return impl
 
 
 def set_custom_op_impl(model: nn.Module, impl: str) -> None:

@@ -5,7 +5,8 @@
     DecoderLayer:  x = x + self_attn(input_layernorm(x), positions)     RMSNorm, then attention with RoPE
                    x = x + mlp(post_attention_layernorm(x))             RMSNorm, then SwiGLU
                    (written as vLLM does: each norm takes the block's output and the residual stream, adds
-                   them and normalises the sum, one fused op: layernorm.py; the rotation and SiLU·up too)
+                   them and normalises the sum, one fused op: layernorm.py; the rotation and SiLU·up too;
+                   where the backend's K/V layout is write_kv_flat's, the rotation's pass also writes K and V)
 
 What differs from GPT-2 (gpt2.py), and where an inference engine feels it:
 
@@ -30,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from roseinfer.attention import AttentionMetadata
+from roseinfer.attention.sdpa import write_kv_flat
 from roseinfer.model_executor.activations import SiluAndMul
 from roseinfer.model_executor.layernorm import RMSNorm
 from roseinfer.model_executor.llama_config import LlamaConfig
@@ -66,12 +68,16 @@ class LlamaAttention(nn.Module):
         v = v.view(*lead, self.n_kv_head, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, k, *rope)
         if kv_cache is None:
+            q, k = self.rotary(q, k, *rope)
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D], [B, Hkv, T, D]
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
             return self.o_proj(y.transpose(1, 2).reshape(*lead, self.q_size))
-        meta.backend.write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)  # rotated K: final
+        if meta.backend.write_kv is write_kv_flat:  # the rotation writes the rotated K (final) and V to their slots
+            q, k = self.rotary.forward_write_kv(q, k, v, *rope, *kv_cache, meta.slot_mapping)
+        else:
+            q, k = self.rotary(q, k, *rope)
+            meta.backend.write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)  # rotated K: final
         y = meta.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [N, H, D]
         return self.o_proj(y.reshape(*lead, self.q_size))
 

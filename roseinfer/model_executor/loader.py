@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from roseinfer.model_executor.custom_op import set_custom_op_impl
 from roseinfer.model_executor.onednn_linear import resolve_linear_backend
 from roseinfer.model_executor.registry import ModelConfigType, architecture_of, get_model_spec, model_class_of
 
@@ -94,11 +95,12 @@ def read_model_config(model_dir: Path) -> ModelConfigType:
 
 
 def load_model(model_dir: Path, cfg: ModelConfigType, device: torch.device, dtype: torch.dtype, tp_rank: int = 0,
-               tp_size: int = 1, linear_backend: str = "auto") -> nn.Module:  # fmt: skip
+               tp_size: int = 1, linear_backend: str = "auto", custom_ops: str = "auto") -> nn.Module:  # fmt: skip
     """The model in eval mode on `device` in `dtype` (the checkpoint's own dtype does not matter: fp32, fp16
     and bf16 weights are all cast). With `tp_size` > 1, only rank `tp_rank`'s shard of the weights (see
     roseinfer/model_executor/parallel_layers.py). `linear_backend` 'auto' or 'onednn' on a CPU: the linear
-    layers' weights are also reordered for oneDNN (roseinfer/model_executor/onednn_linear.py)."""
+    layers' weights are also reordered for oneDNN (roseinfer/model_executor/onednn_linear.py). `custom_ops`: how
+    the model's small ops (RMSNorm, RoPE, SiLU·up) run, "auto" | "native" | "compile" (custom_op.py)."""
     linear_backend = resolve_linear_backend(linear_backend, device, dtype)
     model_class = model_class_of(cfg)
     ours = model_class.convert_state_dict(load_state_dict(model_dir), cfg, tp_rank, tp_size)
@@ -115,4 +117,5 @@ def load_model(model_dir: Path, cfg: ModelConfigType, device: torch.device, dtyp
     net = net.to(device=device, dtype=dtype).eval()
     if linear_backend == "onednn":
         net.pack_for_onednn()
+    set_custom_op_impl(net, custom_ops)
     return net

@@ -30,7 +30,8 @@ import math
 
 import torch
 
-from roseinfer.model_executor.custom_op import CustomOp, triton_importable
+from roseinfer.attention.sdpa import write_kv_flat
+from roseinfer.model_executor.custom_op import CPU_KERNEL_DTYPES, CustomOp, triton_importable
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -91,6 +92,38 @@ class ApplyRotary(CustomOp):
 
     def has_cuda_kernel(self) -> bool:
         return triton_importable()
+
+    def forward_cpu(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """torch.ops.roseinfer.rotary_embedding (roseinfer/csrc/rotary.cpp): q [N, H, D] and k [N, Hkv, D] (any
+        row and head strides, stride 1 on D) turned in place. The dense path's [B, T, H, D] goes to the reference."""
+        if not self.fits_cpu_kernel(q, k, cos):
+            return self.forward_native(q, k, cos, sin)
+        torch.ops.roseinfer.rotary_embedding(q, k, cos, sin, self.is_neox)
+        return q, k
+
+    def forward_write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Rotate q and k, then write k and v [N, Hkv, D] into the pools [num_blocks, block_size, Hkv, D] at
+        `slot_mapping` [N], the layout of `write_kv_flat` (roseinfer/attention/sdpa.py). Where this module runs
+        the C++ kernel, one pass does both (torch.ops.roseinfer.rotary_embedding_write_kv): each token's K row is
+        copied to its slot while it is still in the L1 cache, and the two scatters of the flat write are saved."""
+        if self._forward is None:
+            self._forward = self.choose(q.device)
+        if (self._forward == self.forward_cpu and self.fits_cpu_kernel(q, k, cos) and v.stride(-1) == 1
+                and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == q.dtype):  # fmt: skip
+            torch.ops.roseinfer.rotary_embedding_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
+                                                          self.is_neox)  # fmt: skip
+            return q, k
+        q, k = self(q, k, cos, sin)
+        write_kv_flat(k, v, k_cache, v_cache, slot_mapping)
+        return q, k
+
+    @staticmethod
+    def fits_cpu_kernel(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> bool:
+        return (q.dim() == 3 and k.dim() == 3 and q.stride(-1) == 1 and k.stride(-1) == 1
+                and q.dtype in CPU_KERNEL_DTYPES and k.dtype == q.dtype and cos.dtype == q.dtype
+                and cos.dim() in (2, 3) and cos.shape[0] == q.shape[0])  # fmt: skip
 
 
 def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

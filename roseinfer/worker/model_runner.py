@@ -68,7 +68,8 @@ class ModelRunner:
         self.tp_rank, self.tp_size = tp_rank, config.parallel_config.tensor_parallel_size
         self.is_driver = tp_rank == 0
         self.model = load_model(model_config.model_dir, model_config.hf_config, self.device, model_config.dtype,
-                                tp_rank, self.tp_size, model_config.linear_backend)  # fmt: skip
+                                tp_rank, self.tp_size, model_config.linear_backend,
+                                model_config.custom_ops)  # fmt: skip
         self.backend = get_backend(model_config.attention_backend, self.device)
         self.block_size = cache_config.block_size
         lookahead = config.scheduler_config.num_lookahead_tokens
