@@ -85,6 +85,58 @@ def paged_attention_reference(
     return out[:, :, 0].to(q.dtype)
 
 
+def grouped_decode_reference(
+    q: torch.Tensor,  # [B, H, D] one query token per sequence
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int
+    context_lens: torch.Tensor,  # [B] int, tokens each sequence attends to (>= 1)
+    scale: float,
+    chunk: int = 256,  # tokens per tile, as the C++ kernel's kChunk
+) -> torch.Tensor:  # [B, H, D], dtype of q
+    """The C++ decode kernel's algorithm (roseinfer/csrc/paged_attention.cpp), in PyTorch, one item at a time.
+
+    An item is one sequence's one K/V head j and the G query heads that read it (h = j * G .. j * G + G - 1).
+    Its tokens are taken `chunk` at a time, read in place through the block table, and each K and V row meets
+    all G query rows at once; the softmax is an online one (running max m, running sum `total`):
+
+        S     = q_g · Kᵀ            [G, n]  the score tile: G dot products per K row
+        m'    = max(m, rowmax S)            acc and total rescaled by exp(m - m') when the max grows
+        P     = exp(S - m')         [G, n]
+        acc   = acc · exp(m - m') + P · V   [G, D]
+        total = total · exp(m - m') + rowsum P
+        out   = acc / total
+
+    In fp32, whatever the pool's dtype. Slow (Python loops over items and tiles): it shows the loop, and the
+    tests check the kernel against it and against `paged_attention_reference`.
+    """
+    B, H, D = q.shape
+    block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
+    G = kv_groups(H, k_cache)
+    out = torch.empty_like(q)
+    for b in range(B):
+        n_tokens = int(context_lens[b])
+        positions = torch.arange(n_tokens, device=q.device)
+        slots = block_tables[b, positions // block_size].long() * block_size + positions % block_size  # [n_tokens]
+        for j in range(Hkv):
+            q_g = q[b, j * G : (j + 1) * G].float() * scale  # [G, D]
+            m = torch.full((G, 1), float("-inf"), device=q.device)
+            total = torch.zeros(G, 1, device=q.device)
+            acc = torch.zeros(G, D, device=q.device)
+            for t0 in range(0, n_tokens, chunk):
+                k = k_cache.view(-1, Hkv, D)[slots[t0 : t0 + chunk], j].float()  # [n, D], read in place
+                v = v_cache.view(-1, Hkv, D)[slots[t0 : t0 + chunk], j].float()
+                s = q_g @ k.T  # [G, n]
+                m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))  # [G, 1]
+                p = torch.exp(s - m_new)  # [G, n]
+                rescale = torch.exp(m - m_new)  # [G, 1]: 0 on the first tile (m = -inf)
+                acc = acc * rescale + p @ v
+                total = total * rescale + p.sum(dim=-1, keepdim=True)
+                m = m_new
+            out[b, j * G : (j + 1) * G] = (acc / total).to(q.dtype)
+    return out
+
+
 def attention_reference(
     q: torch.Tensor,  # [N, H, D] the new tokens' queries, request after request
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], the new tokens' K already written
