@@ -26,8 +26,9 @@ A backend provides three operations, and may prepare per-step work that every la
 
     torch   `reference.py`: one request at a time, gather + masked softmax in fp32. The oracle.
     sdpa    `sdpa.py`: a flat KV write, block gathers + PyTorch's fused SDPA.
-    cpu     sdpa, but decode rows through `cpu_paged.py`'s C++ kernel, which reads the blocks in place (no
-            gathers). The fast path on a CPU; it is compiled the first time it is used.
+    cpu     `cpu_paged.py`'s C++ kernels for decode rows and prefill chunks, which read the blocks in place (no
+            gathers); sdpa's cascade attention for decodes behind a shared prefix. The fast path on a CPU; it is
+            compiled the first time it is used.
     triton  `triton_kernels.py` (decode) + `triton_prefill.py` (prefill chunks) + `triton_copy.py`
             (copy_blocks). CUDA, or CPU under TRITON_INTERPRET=1. torch and sdpa copy blocks with the reference.
     auto    triton on CUDA; on a CPU, cpu where its kernel builds, else sdpa.
@@ -116,10 +117,11 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend:
     if name in ("torch", "sdpa"):
         return TORCH_BACKEND if name == "torch" else SDPA_BACKEND
     if name == "cpu":
-        from roseinfer.attention.cpu_paged import paged_decode_cpu
+        from roseinfer.attention.cpu_paged import paged_decode_cpu, paged_prefill_cpu
 
-        forward_cpu = functools.partial(attention_sdpa, decode_kernel=paged_decode_cpu)
-        return AttentionBackend("cpu", write_kv_flat, forward_cpu, functools.partial(plan_sdpa, gather_decodes=False))
+        forward_cpu = functools.partial(attention_sdpa, decode_kernel=paged_decode_cpu, chunk_kernel=paged_prefill_cpu)
+        plan_cpu = functools.partial(plan_sdpa, gather_decodes=False, gather_chunks=False)
+        return AttentionBackend("cpu", write_kv_flat, forward_cpu, plan_cpu)
     from roseinfer.attention import triton_copy as tc
     from roseinfer.attention import triton_kernels as tk
     from roseinfer.attention import triton_prefill as tp

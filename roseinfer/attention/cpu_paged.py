@@ -1,28 +1,48 @@
-"""Decode attention that reads the paged KV cache in place, on a CPU: a small C++ kernel.
+"""Attention that reads the paged KV cache in place, on a CPU: the C++ kernels of `roseinfer/csrc/paged_attention.cpp`.
 
-The sdpa backend (`sdpa.py`) copies every decode row's blocks into one contiguous buffer per layer
-(`index_select`) and only then calls PyTorch's SDPA on it, so the K/V of every context are read, written and
-read again. Decode attention does almost no arithmetic (one query row per sequence): its cost is the bytes
-it moves, and the copy doubles them. This kernel walks each row's block table instead:
+The sdpa backend (`sdpa.py`) copies every row's blocks into one contiguous buffer per layer (`index_select`) and
+only then calls PyTorch's SDPA on it, so the K/V of every context are read, written and read again. These kernels
+walk each sequence's block table instead: every K and V vector is read once, from where the pool holds it.
 
-    for each sequence b, in parallel over torch's threads:
-        for t in 0 .. seq_len[b] - 1:     slot = block_tables[b, t // block_size] * block_size + t % block_size
-            for every K/V head j:                                                K row [Hkv, D]: one read
-                s[h, t] = (q[b, h] · k_cache[slot, j]) · scale   for the G heads h = j * G .. j * G + G - 1
-        p[h] = softmax(s[h])                                                     (max subtracted first)
-        out[b, h] = Σ_t p[h, t] · v_cache[slot, h // G]                          V row [Hkv, D]: one read
+One loop serves decodes and prefill chunks. Its unit of work is a K/V head j of one sequence and the R query rows
+that read it: a decode's G = H / Hkv query heads of the group (R = G), or a prefill chunk's tokens x G heads:
 
-Every K and V vector is read once, from where the pool holds it; nothing is copied or padded. The C++ is
-`roseinfer/csrc/paged_attention.cpp`, one op of the project's extension (`roseinfer/custom_ops.py`), built once
-with the machine's compiler the first time it is used, `-march=native` so the loops over the head dimension
-use the CPU's vector units.
-Prefill chunks still go through SDPA (`sdpa.py`): many queries per request make them GEMM-shaped, which its
-flash kernel does well.
+    Q [R, D] (fp32, x scale)      K/V head j: token t's row at slot = table[t // bs] * bs + t % bs
+         |                         k_cache[slot, j]  [D]   (bf16/fp16 converted to fp32 as loaded)
+         v
+    for each chunk of 256 tokens:
+      S [R, 256] = Q . K^T        a tile of 16 tokens at a time: each K row loaded ONCE into registers,
+                                  then R rows of FMAs over D  ->  R x 16 vectors of partial sums,
+                                  finished 16 at a time: lane i of sum_lanes(v[0..15]) = sum of v[i]
+      m' = max(m, rowmax S);  P = exp(S - m')          a vector of 16 tokens per exp (exp_u20)
+      acc [R, D] = acc * exp(m - m') + P . V           each V row loaded once, R rows of FMAs over D
+      l = l * exp(m - m') + rowsum P                   (online softmax, as flash attention)
+    out = acc / l
 
-Grouped-query attention (Hkv = H / G K/V heads, query head h reads K/V head h // G): the G query heads of
-a group come one after the other, the first reads the K/V vector from memory, the others from the core's
-L1 cache. So a GQA model's decode attention moves G times fewer bytes than MHA with as many query heads.
-G = 1 is MHA: the same loops, the same results to the bit.
+Why it is faster than one (token, head) dot product at a time: decode attention does ~2 FLOPs per byte of K/V,
+so its cost is the bytes it brings in and the instructions around each FLOP. Loading a K row once for G heads
+cuts the loads G times (GQA's point: G times fewer bytes than MHA). A dot product over D=64 floats is 4 vector
+FMAs but ends in a horizontal sum (about 8 shuffles and adds) to make one number; finishing 16 dot products
+together with a transpose-and-add tree costs 45 instructions for all 16. The softmax's exp is a vector
+polynomial over 16 scores instead of 16 calls to std::exp.
+
+Work is split with at::parallel_for over (sequence, K/V head) pairs. When a decode batch has fewer pairs than
+2 x threads (one long sequence, a small batch), each sequence is also cut into 256-token chunks, items of their
+own (flash-decoding); each chunk keeps its unnormalised (acc, m, l) and a second pass merges them:
+
+    M = max_c m_c      out = sum_c acc_c * exp(m_c - M) / sum_c l_c * exp(m_c - M)
+
+    tokens  0 ......... 255 | 256 ........ 511 | 512 .... 700     one sequence, one K/V head
+            (acc0, m0, l0)  | (acc1, m1, l1)   | (acc2, m2, l2)   three items, on any threads
+                             +--------- log-sum-exp merge ---+   -> out [G, D]
+
+A prefill chunk of T tokens after `ctx` cached ones uses the same loop with R = (a few tokens) x G rows: row
+(i, g) sees tokens 0 .. ctx + i (causal, masked inside the last 256-token chunk it reaches), and its own K/V are
+read from the pool, where the layer has just written them. No gather of the context, no K/V repeated G times.
+
+The scratch (Q, acc, scores) is each thread's own buffer, grown once and reused by every call. The library is
+built once with the machine's compiler the first time it is used (`roseinfer/custom_ops.py`, `-march=native`,
+so at::vec uses AVX-512 where the CPU has it). The PyTorch reference (`reference.py`) stays the oracle.
 """
 
 from __future__ import annotations
@@ -48,3 +68,16 @@ def paged_decode_cpu(
     """Decode attention for a batch, read through the block tables (the signature of the reference's)."""
     with torch.profiler.record_function("roseinfer::paged_decode_cpu"):  # named in torch.profiler's tables
         return torch.ops.roseinfer.paged_decode(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def paged_prefill_cpu(
+    q: torch.Tensor,  # [T, H, D] one request's chunk: the last T of its seq_len tokens
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], the chunk's own K/V already written
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [max_blocks] int32 (or int64), the request's blocks
+    seq_len: int,  # tokens in the context after this chunk (earlier + T)
+    scale: float,
+) -> torch.Tensor:  # [T, H, D]
+    """Causal attention for one prefill chunk through its block table: query i sees tokens 0 .. seq_len - T + i."""
+    with torch.profiler.record_function("roseinfer::paged_prefill_cpu"):
+        return torch.ops.roseinfer.paged_prefill(q.contiguous(), k_cache, v_cache, block_table, seq_len, scale)

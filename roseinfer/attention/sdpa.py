@@ -132,10 +132,13 @@ def common_prefix_blocks(block_tables: torch.Tensor, seq_lens: list[int], block_
     return int(same.int().cumprod(dim=0).sum())
 
 
-def plan_sdpa(meta: AttentionMetadata, block_size: int, gather_decodes: bool = True) -> SdpaPlan:
+def plan_sdpa(
+    meta: AttentionMetadata, block_size: int, gather_decodes: bool = True, gather_chunks: bool = True
+) -> SdpaPlan:
     """The decode runs with their block ids and masks, and each prefill chunk's blocks and causal mask.
     `gather_decodes=False` (the cpu backend, whose kernel reads decode rows in place): decode runs only for
-    cascade attention, when the rows share a prefix."""
+    cascade attention, when the rows share a prefix. `gather_chunks=False` (the cpu backend's chunk kernel, which
+    reads the blocks in place too): chunks without blocks or masks."""
     dev = meta.block_tables.device
     starts, lens, d = meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.num_decodes
     cascade = d >= CASCADE_MIN_ROWS and dev.type == "cpu"  # (the CPU flash kernel returns the log-sum-exp)
@@ -151,7 +154,7 @@ def plan_sdpa(meta: AttentionMetadata, block_size: int, gather_decodes: bool = T
     chunks = []
     for i in range(d, len(lens)):
         s, e, L = starts[i], starts[i + 1], lens[i]
-        if e - s == L:  # a first chunk: the context is exactly the new tokens
+        if e - s == L or not gather_chunks:  # a first chunk: the context is exactly the new tokens
             chunks.append(PrefillChunk(s, e, L, None, None))
         else:  # a later chunk: earlier tokens are only in the pool
             pos = torch.arange(L, device=dev)
@@ -273,10 +276,13 @@ def attention_sdpa(
     meta: AttentionMetadata,
     scale: float,
     decode_kernel: Callable[..., torch.Tensor] | None = None,
+    chunk_kernel: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:  # [N, H, D]
     """A mixed batch: the decodes in a few calls (runs of similar length), then each prefill chunk on its own.
     With `decode_kernel` (the cpu backend: `cpu_paged.paged_decode_cpu`), the decodes go to that kernel in one
-    call, which reads the blocks where they lie, unless they share a prefix long enough for cascade attention."""
+    call, which reads the blocks where they lie, unless they share a prefix long enough for cascade attention;
+    with `chunk_kernel` (`cpu_paged.paged_prefill_cpu`) each prefill chunk goes to that kernel, which reads its
+    context in place too (the plan then holds no chunk blocks or masks)."""
     plan = meta.plan if isinstance(meta.plan, SdpaPlan) else plan_sdpa(meta, k_cache.shape[1], decode_kernel is None)
     out = torch.empty_like(q)
     d = meta.num_decodes
@@ -287,7 +293,10 @@ def attention_sdpa(
     else:
         for run in plan.decode_runs:
             out[run.a : run.b] = _attend_run(q[run.a : run.b], k_cache, v_cache, run, scale, meta.gather_buffer)
-    for c in plan.chunks:
+    for i, c in enumerate(plan.chunks, start=d):  # chunk i is request i's
+        if chunk_kernel is not None:
+            out[c.s : c.e] = chunk_kernel(q[c.s : c.e], k_cache, v_cache, meta.block_tables[i], c.seq_len, scale)
+            continue
         out[c.s : c.e] = _attend_chunk(q[c.s : c.e], key[c.s : c.e], value[c.s : c.e], k_cache, v_cache, c, scale)
     return out
 

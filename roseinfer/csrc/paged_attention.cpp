@@ -1,97 +1,344 @@
-// Decode attention that reads the paged KV cache in place (roseinfer/attention/cpu_paged.py explains it).
-// Registered as torch.ops.roseinfer.paged_decode; roseinfer/custom_ops.py builds this folder into one library.
-#include <torch/library.h>
+// Attention that reads the paged KV cache in place, on a CPU (roseinfer/attention/cpu_paged.py teaches it).
+//   torch.ops.roseinfer.paged_decode(q [B, H, D], k_cache, v_cache, block_tables [B, W], seq_lens [B], scale)
+//   torch.ops.roseinfer.paged_prefill(q [T, H, D], k_cache, v_cache, block_table [W], seq_len, scale)
+// Pools are [num_blocks, block_size, Hkv, D]; query head h = j * G + g reads K/V head j (G = H / Hkv).
+//
+// Both ops cut their work into items, run in parallel by at::parallel_for, and run each item through `attend`:
+// R query rows that read ONE K/V head j of ONE sequence (a decode: the G heads of the group; a prefill chunk:
+// some of its tokens x the G heads), over a range of that sequence's tokens, in chunks of kChunk tokens:
+//
+//   S[R, n]   = Q[R, D] . K[n, D]^T        each K row loaded once, into registers, for all R rows
+//   m'        = max(m, rowmax S)           online softmax: acc and l rescaled by exp(m - m')
+//   P[R, n]   = exp(S - m')                Vectorized<float>::exp_u20, 16 tokens at a time
+//   acc[R, D] += P[R, n] . V[n, D]         each V row loaded once, R rows of FMAs over D
+//   l[R]     += rowsum P
+//
+// and the output row is acc / l. A decode with few (sequence, K/V head) pairs for the threads splits each
+// sequence into chunks of kSplit tokens, items of their own, and merges their (acc, m, l) by log-sum-exp.
+// fp16/bf16 pools are converted to fp32 as they are loaded; every sum is fp32.
 #include <ATen/ATen.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define CPU_CAPABILITY_AVX512  // at::vec's 512-bit Vectorized (16 floats) on this -march=native build
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY_AVX2
+#endif
+#define CPU_CAPABILITY roseinfer_attention  // our own namespace for at::vec's inline code: no clash with ATen's
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
 #include <algorithm>
-#include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
-template <typename scalar_t, typename index_t>
-static void decode(const scalar_t* q, const scalar_t* k, const scalar_t* v, const index_t* tables,
-                   const index_t* lens, scalar_t* out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
-                   int64_t block_size, int64_t max_blocks, float scale, int64_t max_len) {
-  const int64_t G = H / Hkv;  // query heads per K/V head: query head h = j * G + g reads K/V head j
-  // one sequence at a time per thread, all its heads together: each token's K (and V) row, [Hkv, D], is one
-  // contiguous read of Hkv * D elements, each K/V head's D of them used by the G query heads of its group
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(H * std::max<int64_t>(max_len, 1)), acc(H * D), qf(H * D), m(H), sum(H);
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n = lens[b];
-      const index_t* table = tables + b * max_blocks;
-      for (int64_t j = 0; j < H * D; ++j) qf[j] = static_cast<float>(q[b * H * D + j]) * scale;
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      for (int64_t t = 0; t < n; ++t) {  // s[h, t] = q[h] · k[t, h / G]
-        const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-        const scalar_t* kp = k + slot * Hkv * D;
-        for (int64_t j = 0; j < Hkv; ++j) {
-          const scalar_t* kj = kp + j * D;  // K/V head j of token t: from memory for its first query head,
-          for (int64_t h = j * G; h < (j + 1) * G; ++h) {  // from the L1 cache for the G - 1 others
-            const float* qh = qf.data() + h * D;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; ++d) dot += qh[d] * static_cast<float>(kj[d]);
-            s[h * max_len + t] = dot;
-            m[h] = std::max(m[h], dot);
-          }
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t N = Vec::size();  // floats per vector register: 16 with AVX-512
+constexpr int64_t kChunk = 256;     // tokens whose scores one item keeps at a time (S is [R, kChunk])
+constexpr int64_t kSplit = 256;     // a decode's context chunk when sequences are split over threads
+constexpr int64_t kMaxD = 512;      // head sizes up to this: a K or V row is kMaxD / N registers
+constexpr int64_t kRows = 32;       // query rows per prefill item (tokens x G heads)
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+template <typename T>  // n <= N elements of a K/V/q row as fp32, zeros after them
+inline Vec load(const T* p, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return n == N ? Vec::loadu(p) : Vec::loadu(p, n);
+  } else {
+    Vec out;
+    if constexpr (at::vec::is_reduced_floating_point_v<T>) {
+      if (n == N) {
+        at::vec::load_to_float<T>(p, out);  // bf16/fp16 -> fp32, in registers
+        return out;
+      }
+    }
+    {  // a row's tail (D not a multiple of N), or a double pool
+      float tmp[N] = {};
+      for (int64_t i = 0; i < n; ++i) tmp[i] = static_cast<float>(p[i]);
+      out = Vec::loadu(tmp);
+    }
+    return out;
+  }
+}
+
+// Lane i of the result = the sum of v[i]'s N lanes: N dot products finished at once. With AVX-512, a tree of
+// shuffles and adds (45 instructions for 16 sums) instead of a horizontal sum per vector (~8 each).
+inline Vec sum_lanes(const Vec* v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 c[8], e[4], f[2];
+  for (int i = 0; i < 8; ++i) {  // 32-bit pairs: each 128-bit lane of c[i] holds 2-element sums of v[2i], v[2i+1]
+    __m512 a = v[2 * i], b = v[2 * i + 1];
+    c[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  for (int i = 0; i < 4; ++i) {  // 64-bit pairs: lane k of e[i] = 4-element sums of v[4i .. 4i+3] in lane k
+    __m512d a = _mm512_castps_pd(c[2 * i]), b = _mm512_castps_pd(c[2 * i + 1]);
+    e[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes added pairwise: 0+1, 2+3
+    f[i] = _mm512_add_ps(_mm512_shuffle_f32x4(e[2 * i], e[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(e[2 * i], e[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(f[0], f[1], 0x88), _mm512_shuffle_f32x4(f[0], f[1], 0xDD));
+#else
+  float s[N];
+  for (int64_t i = 0; i < N; ++i) s[i] = at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, v[i]);
+  return Vec::loadu(s);
+#endif
+}
+
+template <typename T>  // ask for a row's cache lines ahead of use: blocks are scattered, the prefetcher can't guess
+inline void prefetch(const T* p, int64_t D) {
+  for (int64_t i = 0; i < D * int64_t(sizeof(T)); i += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + i);
+}
+
+template <typename T, typename I>
+struct KV {  // one sequence's K/V head j, read through its block table
+  const T* k;  // k_cache + j * D: token t's row is at slot(t) * stride
+  const T* v;
+  const I* table;
+  int64_t block_size, stride;  // stride = Hkv * D elements from one slot to the next
+  int64_t slot(int64_t t) const { return static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size; }
+};
+
+struct Rows {  // one item's query rows and running softmax state, in the thread's scratch
+  int64_t R, D, Dv;  // rows, head size, head size rounded up to whole vectors
+  float *q, *acc, *m, *l, *s;  // q, acc [R, Dv]; m, l [R]; s [R, kChunk]
+  Vec* part;                   // [R, N]: per row, N tokens' unfinished dot products
+  int64_t* limit;              // [R]: row r sees tokens t < limit[r] (the caller fills it)
+};
+
+inline Rows scratch(int64_t R, int64_t D) {  // the thread's buffers, grown when a call needs more, never freed
+  thread_local std::vector<float> buf;
+  thread_local std::vector<Vec> part;
+  thread_local std::vector<int64_t> limit;
+  const int64_t Dv = (D + N - 1) / N * N;
+  if (buf.size() < size_t(R * (2 * Dv + 2 + kChunk))) buf.resize(R * (2 * Dv + 2 + kChunk));
+  if (part.size() < size_t(R * N)) part.resize(R * N);
+  if (limit.size() < size_t(R)) limit.resize(R);
+  float* p = buf.data();
+  Rows rows{R, D, Dv, p, p + R * Dv, p + 2 * R * Dv, p + 2 * R * Dv + R, p + 2 * R * Dv + 2 * R, part.data(),
+            limit.data()};
+  std::fill(rows.acc, rows.acc + R * Dv, 0.f);
+  std::fill(rows.m, rows.m + R, -kInf);
+  std::fill(rows.l, rows.l + R, 0.f);
+  return rows;
+}
+
+template <typename T, typename F>  // rows.q[r] = q_row(r)[0 .. D-1] * scale, zero-padded to Dv
+inline void load_q(Rows& rows, float scale, const F& q_row) {
+  for (int64_t r = 0; r < rows.R; ++r) {
+    const T* src = q_row(r);
+    float* dst = rows.q + r * rows.Dv;
+    for (int64_t d = 0; d < rows.Dv; ++d) dst[d] = d < rows.D ? static_cast<float>(src[d]) * scale : 0.f;
+  }
+}
+
+// every row over tokens t0 .. t1-1 of one K/V head (the header's loop). NV = D / N vectors per row when it is a
+// compile-time constant (the common head sizes: the loops over D unroll, rows stay in registers), else 0
+template <int64_t NV, typename T, typename I>
+void attend(const KV<T, I>& kv, Rows& rows, int64_t t0, int64_t t1) {
+  const int64_t R = rows.R, D = rows.D, Dv = rows.Dv, nv = NV ? NV : Dv / N;
+  Vec x[NV ? NV : kMaxD / N], y[NV ? NV : kMaxD / N];  // one K row; two V rows
+  for (int64_t c0 = t0; c0 < t1; c0 += kChunk) {
+    const int64_t n = std::min(kChunk, t1 - c0);
+    // 1. S[r, t] = q[r] . k[t]: a tile of N tokens at a time, each K row read once for all R rows
+    for (int64_t tt = 0; tt < n; tt += N) {
+      const int64_t nt = std::min(N, n - tt);
+      for (int64_t t = 0; t < nt; ++t) {
+        if (c0 + tt + t + N < t1) prefetch(kv.k + kv.slot(c0 + tt + t + N) * kv.stride, D);  // K, a tile ahead
+        const int64_t slot = kv.slot(c0 + tt + t);
+        prefetch(kv.v + slot * kv.stride, D);  // V of this token, needed in step 3
+        const T* kp = kv.k + slot * kv.stride;
+        for (int64_t c = 0; c < nv; ++c) x[c] = load(kp + c * N, std::min(N, D - c * N));
+        for (int64_t r = 0; r < R; ++r) {
+          const float* qr = rows.q + r * Dv;
+          Vec dot = Vec::loadu(qr) * x[0];
+          for (int64_t c = 1; c < nv; ++c) dot = at::vec::fmadd(Vec::loadu(qr + c * N), x[c], dot);
+          rows.part[r * N + t] = dot;  // D/N lanes still to add up
         }
       }
-      for (int64_t h = 0; h < H; ++h) {  // p[h, t] = exp(s - max) (normalised at the end)
-        float total = 0.f;
-        float* sh = s.data() + h * max_len;
-        for (int64_t t = 0; t < n; ++t) {
-          sh[t] = std::exp(sh[t] - m[h]);
-          total += sh[t];
-        }
-        sum[h] = total;
+      for (int64_t r = 0; r < R; ++r) {
+        for (int64_t t = nt; t < N; ++t) rows.part[r * N + t] = Vec(0.f);
+        sum_lanes(rows.part + r * N).store(rows.s + r * kChunk + tt, nt);  // N scores of row r, no hsum each
       }
+    }
+    // 2. online softmax, a vector of tokens at a time: P = exp(S - m'), acc and l rescaled by exp(m - m')
+    for (int64_t r = 0; r < R; ++r) {
+      float* s = rows.s + r * kChunk;
+      const int64_t visible = std::clamp<int64_t>(rows.limit[r] - c0, 0, n);  // causal: later tokens masked
+      std::fill(s + visible, s + n, -kInf);
+      float m = rows.m[r];
+      for (int64_t t = 0; t < visible; ++t) m = std::max(m, s[t]);
+      if (m == -kInf) continue;  // nothing visible yet (a chunk's row before its first token)
+      const float alpha = std::exp(rows.m[r] - m);
+      Vec sum(0.f), mv(m);
+      for (int64_t t = 0; t < n; t += N) {
+        const int64_t nt = std::min(N, n - t);
+        Vec p = (Vec::loadu(s + t, nt) - mv).exp_u20();
+        if (nt < N) p = Vec::set(Vec(0.f), p, nt);  // lanes past the chunk count nothing
+        p.store(s + t, nt);
+        sum = sum + p;
+      }
+      rows.l[r] = rows.l[r] * alpha + at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, sum);
+      rows.m[r] = m;
+      float* acc = rows.acc + r * Dv;
+      if (alpha != 1.f)
+        for (int64_t d = 0; d < Dv; ++d) acc[d] *= alpha;
+    }
+    // 3. acc[r] += P[r, t] * v[t] + P[r, t + 1] * v[t + 1]: each V row read once for all R rows, two at a time
+    for (int64_t t = 0; t < n; t += 2) {
+      const bool two = t + 1 < n;
+      const T* vp = kv.v + kv.slot(c0 + t) * kv.stride;
+      const T* vq = two ? kv.v + kv.slot(c0 + t + 1) * kv.stride : vp;
+      for (int64_t c = 0; c < nv; ++c) x[c] = load(vp + c * N, std::min(N, D - c * N));
+      for (int64_t c = 0; c < nv; ++c) y[c] = load(vq + c * N, std::min(N, D - c * N));
+      for (int64_t r = 0; r < R; ++r) {
+        const float p = rows.s[r * kChunk + t], p2 = two ? rows.s[r * kChunk + t + 1] : 0.f;
+        if (p == 0.f && p2 == 0.f) continue;  // masked (or underflowed)
+        float* acc = rows.acc + r * Dv;
+        for (int64_t c = 0; c < nv; ++c) {
+          const Vec a = at::vec::fmadd(Vec(p), x[c], Vec::loadu(acc + c * N));
+          at::vec::fmadd(Vec(p2), y[c], a).store(acc + c * N);
+        }
+      }
+    }
+  }
+}
+
+template <typename T, typename I>  // attend<NV> for this head size
+void run_attend(const KV<T, I>& kv, Rows& rows, int64_t t0, int64_t t1) {
+  switch (rows.D == rows.Dv ? rows.D / N : 0) {
+    case 2: return attend<2>(kv, rows, t0, t1);
+    case 4: return attend<4>(kv, rows, t0, t1);
+    case 8: return attend<8>(kv, rows, t0, t1);
+    default: return attend<0>(kv, rows, t0, t1);
+  }
+}
+
+template <typename T>  // out[d] = acc / l, in the output's dtype
+inline void store_row(T* out, const Rows& rows, int64_t r) {
+  const float inv = 1.f / rows.l[r];
+  for (int64_t d = 0; d < rows.D; ++d) out[d] = static_cast<T>(rows.acc[r * rows.Dv + d] * inv);
+}
+
+template <typename T, typename I>
+void decode(const T* q, const T* k, const T* v, const I* tables, const I* lens, T* out, int64_t B, int64_t H,
+            int64_t Hkv, int64_t D, int64_t block_size, int64_t width, float scale) {
+  const int64_t G = H / Hkv;
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, lens[b]);
+  // items: (sequence b, K/V head j, context chunk c); C > 1 chunks only when B * Hkv pairs leave threads idle
+  const bool split = B * Hkv < 2 * at::get_num_threads() && max_len > kSplit;
+  const int64_t C = split ? (max_len + kSplit - 1) / kSplit : 1;
+  std::vector<float> partial(split ? B * Hkv * C * G * (D + 2) : 0);  // [B, Hkv, C, G, D + 2]: acc, m, l
+  at::parallel_for(0, B * Hkv * C, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / (Hkv * C), j = item / C % Hkv, c = item % C, n = lens[b];
+      const int64_t t0 = c * kSplit, t1 = split ? std::min(n, t0 + kSplit) : n;
+      Rows rows = scratch(G, D);
+      std::fill(rows.limit, rows.limit + G, n);  // a decode sees every token
+      load_q<T>(rows, scale, [&](int64_t g) { return q + ((b * H) + j * G + g) * D; });  // [G, D]
+      KV<T, I> kv{k + j * D, v + j * D, tables + b * width, block_size, Hkv * D};
+      if (t0 < t1) run_attend(kv, rows, t0, t1);
+      for (int64_t g = 0; g < G; ++g) {
+        if (!split) {
+          store_row(out + (b * H + j * G + g) * D, rows, g);
+          continue;
+        }
+        float* dst = partial.data() + (((b * Hkv + j) * C + c) * G + g) * (D + 2);
+        std::copy(rows.acc + g * rows.Dv, rows.acc + g * rows.Dv + D, dst);
+        dst[D] = rows.m[g], dst[D + 1] = rows.l[g];
+      }
+    }
+  });
+  if (!split) return;
+  // the merge: out = sum_c acc_c * exp(m_c - M) / sum_c l_c * exp(m_c - M), M = max_c m_c (log-sum-exp)
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(D);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, j = bh % H / G, g = bh % G;
+      const float* part = partial.data() + ((b * Hkv + j) * C * G + g) * (D + 2);  // chunk c at + c * G * (D + 2)
+      float M = -kInf, l = 0.f;
+      for (int64_t c = 0; c < C; ++c) M = std::max(M, part[c * G * (D + 2) + D]);
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < n; ++t) {  // acc[h] += p[h, t] · v[t, h / G]
-        const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-        const scalar_t* vp = v + slot * Hkv * D;
-        for (int64_t j = 0; j < Hkv; ++j) {
-          const scalar_t* vj = vp + j * D;
-          for (int64_t h = j * G; h < (j + 1) * G; ++h) {
-            const float p = s[h * max_len + t];
-            float* ah = acc.data() + h * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ah[d] += p * static_cast<float>(vj[d]);
-          }
-        }
+      for (int64_t c = 0; c < C; ++c) {
+        const float* pc = part + c * G * (D + 2);
+        if (pc[D + 1] == 0.f) continue;  // a chunk past this sequence's end
+        const float w = std::exp(pc[D] - M);
+        l += pc[D + 1] * w;
+        for (int64_t d = 0; d < D; ++d) acc[d] += pc[d] * w;
       }
-      for (int64_t h = 0; h < H; ++h) {
-        const float inv = 1.f / sum[h];
-        for (int64_t d = 0; d < D; ++d) out[(b * H + h) * D + d] = static_cast<scalar_t>(acc[h * D + d] * inv);
-      }
+      for (int64_t d = 0; d < D; ++d) out[bh * D + d] = static_cast<T>(acc[d] / l);
     }
   });
 }
 
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+template <typename T, typename I>
+void prefill(const T* q, const T* k, const T* v, const I* table, T* out, int64_t Tq, int64_t H, int64_t Hkv,
+             int64_t D, int64_t block_size, int64_t seq_len, float scale) {
+  const int64_t G = H / Hkv, ctx = seq_len - Tq;  // query token i sits at position ctx + i
+  const int64_t per = std::max<int64_t>(1, kRows / G), tiles = (Tq + per - 1) / per;  // query tokens per item
+  // items: (tile of `per` query tokens, K/V head j), R = per * G rows each, row r = token r / G, head j * G + r % G.
+  // Causal: a later tile reads more tokens, so tiles are dealt from both ends (0, last, 1, last - 1, ...) and each
+  // thread's contiguous share of items gets as many early as late ones.
+  at::parallel_for(0, tiles * Hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t p = item / Hkv, j = item % Hkv, tile = p % 2 ? tiles - 1 - p / 2 : p / 2;
+      const int64_t i0 = tile * per, i1 = std::min(Tq, i0 + per);
+      Rows rows = scratch((i1 - i0) * G, D);
+      for (int64_t r = 0; r < rows.R; ++r) rows.limit[r] = ctx + i0 + r / G + 1;  // keys 0 .. its own position
+      auto row = [&](int64_t r) { return ((i0 + r / G) * H + j * G + r % G) * D; };
+      load_q<T>(rows, scale, [&](int64_t r) { return q + row(r); });
+      KV<T, I> kv{k + j * D, v + j * D, table, block_size, Hkv * D};
+      run_attend(kv, rows, 0, ctx + i1);
+      for (int64_t r = 0; r < rows.R; ++r) store_row(out + row(r), rows, r);
+    }
+  });
+}
+
+static void check_pools(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& table, const at::Tensor& lens) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.is_contiguous() && k_cache.is_contiguous() &&
-              v_cache.is_contiguous() && block_tables.is_contiguous() && seq_lens.is_contiguous());
-  TORCH_CHECK(block_tables.scalar_type() == seq_lens.scalar_type());
+              v_cache.is_contiguous() && table.is_contiguous() && lens.is_contiguous());
+  TORCH_CHECK(table.scalar_type() == lens.scalar_type(), "block tables and seq_lens must share one dtype");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
               v_cache.sizes() == k_cache.sizes(), "q, k_cache and v_cache must share one dtype, the pools one shape");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(2);
+  const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && Hkv >= 1 && H % Hkv == 0,
-              "q [B, H, D] needs pools [num_blocks, block_size, Hkv, D] with H % Hkv == 0");
+              "q [N, H, D] needs pools [num_blocks, block_size, Hkv, D] with H % Hkv == 0");
+  TORCH_CHECK(D <= kMaxD, "head size ", D, " is larger than the kernel's ", kMaxD);
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  check_pools(q, k_cache, v_cache, block_tables, seq_lens);
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(2);
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16, q.scalar_type(), "decode", [&] {
     AT_DISPATCH_INDEX_TYPES(block_tables.scalar_type(), "decode_index", [&] {
       const index_t* lens = seq_lens.data_ptr<index_t>();
-      int64_t max_len = 0;  // each thread's scratch holds H x max_len scores
-      for (int64_t b = 0; b < B; ++b) {
-        TORCH_CHECK(lens[b] >= 1, "every sequence attends to at least one token");
-        max_len = std::max<int64_t>(max_len, lens[b]);
-      }
+      for (int64_t b = 0; b < B; ++b) TORCH_CHECK(lens[b] >= 1, "every sequence attends to at least one token");
       decode<scalar_t, index_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                                block_tables.data_ptr<index_t>(), lens,
-                                out.data_ptr<scalar_t>(), B, H, Hkv, D, k_cache.size(1), block_tables.size(1),
-                                static_cast<float>(scale), max_len);
+                                block_tables.data_ptr<index_t>(), lens, out.data_ptr<scalar_t>(), B, H, Hkv, D,
+                                k_cache.size(1), block_tables.size(1), static_cast<float>(scale));
+    });
+  });
+  return out;
+}
+
+at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& block_table, int64_t seq_len, double scale) {
+  check_pools(q, k_cache, v_cache, block_table, block_table);
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(2), bs = k_cache.size(1);
+  TORCH_CHECK(block_table.dim() == 1 && T >= 1 && T <= seq_len && block_table.size(0) * bs >= seq_len,
+              "a chunk of T tokens needs seq_len >= T and a block table [>= ceil(seq_len / block_size)]");
+  auto out = at::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16, q.scalar_type(), "prefill", [&] {
+    AT_DISPATCH_INDEX_TYPES(block_table.scalar_type(), "prefill_index", [&] {
+      prefill<scalar_t, index_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                                 block_table.data_ptr<index_t>(), out.data_ptr<scalar_t>(), T, H, Hkv, D, bs,
+                                 seq_len, static_cast<float>(scale));
     });
   });
   return out;
@@ -99,6 +346,10 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 
 TORCH_LIBRARY_FRAGMENT(roseinfer, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+  m.def("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, int seq_len, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(roseinfer, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(roseinfer, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("paged_prefill", &paged_prefill);
+}
