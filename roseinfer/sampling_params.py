@@ -13,6 +13,10 @@ does the maths for the whole batch at once. What each knob does to a row of logi
     min_p               drop tokens with probability < min_p · the top token's probability
     top_k, top_p        keep the k most likely / the smallest set with mass >= top_p
 
+`structured_outputs` (a `StructuredOutputsParams`) constrains the text to a JSON schema, any JSON object, a regular
+expression, one of a list of choices or an EBNF grammar: the engine compiles it with xgrammar and masks every
+token the grammar does not allow before the sampler sees the row (roseinfer/structured_output/).
+
 `logprobs` / `prompt_logprobs` ask for the log-probabilities of the sampled / prompt tokens and of the N most
 likely tokens at each position: the model's own log-softmax, before any of the knobs above (as vLLM's default).
 
@@ -45,6 +49,59 @@ class RequestOutputKind(enum.Enum):
 
 
 @dataclass
+class StructuredOutputsParams:
+    """One constraint on the text a request may produce (vLLM's class and field names). Exactly one of
+
+        json           a JSON schema (a dict, or its JSON text): the output is a JSON value that validates
+        regex          a regular expression the whole output matches
+        choice         a list of strings: the output is one of them
+        grammar        an EBNF grammar (xgrammar's / GBNF syntax, the start rule named `root`)
+        json_object    True: any JSON object (OpenAI's response_format {"type": "json_object"})
+
+    and, for json and json_object, `disable_any_whitespace`: no free whitespace between JSON tokens (the
+    compact form), `disable_additional_properties`: an object schema without "additionalProperties" allows
+    no keys beyond its "properties". Whether a schema, regex or grammar compiles is checked when the request
+    is added (roseinfer/engine/input_processor.py), so a bad one is a ValueError naming it."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [name for name in CONSTRAINTS if getattr(self, name) is not None]
+        _check(len(kinds) <= 1, f"structured_outputs takes one kind of constraint but several are set: {kinds}")
+        _check(len(kinds) == 1, f"structured_outputs needs one kind of constraint ({', '.join(CONSTRAINTS)}), got none")
+        what = type(self.json).__name__
+        _check(self.json is None or isinstance(self.json, (str, dict)),
+               f"structured_outputs.json must be a JSON schema (a dict or its JSON text), got {what}")  # fmt: skip
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            _check(v is None or (isinstance(v, str) and v != ""),
+                   f"structured_outputs.{name} must be a non-empty string, got {v!r}")  # fmt: skip
+        c = self.choice
+        _check(c is None or (isinstance(c, (list, tuple)) and len(c) > 0 and all(isinstance(x, str) for x in c)),
+               f"structured_outputs.choice must be a non-empty list of strings, got {c!r}")  # fmt: skip
+        if c is not None:
+            self.choice = list(c)
+        jo = self.json_object
+        _check(jo is None or jo is True, f"structured_outputs.json_object must be True or None, got {jo!r}")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            _check(isinstance(getattr(self, name), bool), f"structured_outputs.{name} must be True or False")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(name for name in CONSTRAINTS if getattr(self, name) is not None)
+
+
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
 class SamplingParams:
     """How to pick tokens and when to stop (field names as in vLLM)."""
 
@@ -67,6 +124,7 @@ class SamplingParams:
     logprobs: int | None = None  # per generated token: its log-probability and the top `logprobs` (<= 20)
     prompt_logprobs: int | None = None  # the same for every prompt token (the first has none)
     include_stop_str_in_output: bool = False  # keep the stop string (or the stop token's text) in the text
+    structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice or grammar to follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -109,6 +167,9 @@ class SamplingParams:
                    f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {v!r}")  # fmt: skip
         inc = self.include_stop_str_in_output
         _check(isinstance(inc, bool), f"include_stop_str_in_output must be True or False, got {inc!r}")
+        so = self.structured_outputs
+        _check(so is None or isinstance(so, StructuredOutputsParams),
+               f"structured_outputs must be a StructuredOutputsParams or None, got {type(so).__name__}")  # fmt: skip
 
     @property
     def greedy(self) -> bool:
@@ -165,6 +226,7 @@ class BeamSearchParams:
     temperature, top_k, top_p, seed = 0.0, -1, 1.0, None
     logprobs = prompt_logprobs = logit_bias = None
     min_tokens, include_stop_str_in_output, uses_logits_processors, uses_penalties = 0, False, False, False
+    structured_outputs = None  # a beam search follows no grammar (refused by the engine, by name)
     may_speculate = False
 
 
