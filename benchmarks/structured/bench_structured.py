@@ -181,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         c, u, f = res["constrained"], res["unconstrained"], res["first_token_s"]
         print(f"[{engine}] {args.batch} rows x {args.max_tokens} tokens: constrained {c['tok_s']:.1f} tok/s, "
               f"unconstrained {u['tok_s']:.1f} tok/s, ratio {res['ratio']:.3f}; first token: plain "
-              f"{f['plain'] * 1e3:.1f} ms, cold schema +{f['cold_added'] * 1e3:.1f} ms, cached "
-              f"+{f['cached_added'] * 1e3:.1f} ms; warm-up {res['warm_up_s']:.2f} s")  # fmt: skip
+              f"{f['plain'] * 1e3:.1f} ms, cold schema {f['cold_added'] * 1e3:+.1f} ms, cached "
+              f"{f['cached_added'] * 1e3:+.1f} ms; warm-up {res['warm_up_s']:.2f} s")  # fmt: skip
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
