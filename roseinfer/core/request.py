@@ -7,6 +7,7 @@ The core never sees text, a tokenizer or a tensor. A `Request` holds what schedu
                           in chunks; a decode by one per step; a preemption by recompute sets it to 0)
     block_hashes          the hash of every full block so far, for prefix caching (roseinfer/core/block_pool.py)
     spec_token_ids        draft tokens the model runner proposed for the next step (speculative decoding)
+    structured_output_request   its grammar, when its text must follow one: the scheduler only asks `is_ready`
     num_candidates        0: the runner samples its tokens; k > 0: the runner returns its k most likely next
                           tokens (`candidates`) and the token is chosen outside (a beam search)
     finish_reason         None while it runs; "stop" (EOS, a stop token), "length" or "abort"
@@ -38,7 +39,8 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "max_model_len",
                  "all_token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens", "block_hashes",
                  "spec_token_ids", "finish_reason", "group", "index", "cumulative_logprob", "max_tokens",
-                 "stop_token_ids", "num_output_placeholders", "min_tokens", "num_candidates", "candidates")  # fmt: skip
+                 "stop_token_ids", "num_output_placeholders", "min_tokens", "num_candidates", "candidates",
+                 "structured_output_request")  # fmt: skip
 
     def __init__(
         self,
@@ -71,6 +73,7 @@ class Request:
         self.num_output_placeholders = 0  # async scheduling: tokens sampled in steps whose output is not in yet
         self.num_candidates = 0  # > 0: its next token is chosen outside the runner, from this many candidates
         self.candidates: tuple[list[int], list[float]] | None = None  # the runner's, until the group's are all in
+        self.structured_output_request = None  # its grammar, when it has a constraint (roseinfer/structured_output/)
 
     @property
     def num_tokens(self) -> int:
@@ -94,6 +97,11 @@ class Request:
         """Async scheduling: the token on its way is this request's last (max_tokens, or a full context)."""
         p = self.num_output_placeholders
         return p > 0 and (self.num_output_tokens + p >= self.max_tokens or self.num_tokens + p >= self.max_model_len)
+
+    @property
+    def is_ready(self) -> bool:
+        """False while its grammar is compiling (vLLM's WAITING_FOR_FSM): it waits, the requests behind it go."""
+        return self.structured_output_request is None or self.structured_output_request.is_ready
 
     @property
     def speculates(self) -> bool:
@@ -132,6 +140,8 @@ class Request:
         child.block_hashes = list(self.block_hashes)
         child.group, child.index, child.cumulative_logprob = self.group, index, self.cumulative_logprob
         child.num_output_placeholders, child.num_candidates = self.num_output_placeholders, self.num_candidates
+        if self.structured_output_request is not None:  # its own matcher, in the parent's state
+            child.structured_output_request = self.structured_output_request.fork()
         return child
 
     def __repr__(self) -> str:

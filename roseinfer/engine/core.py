@@ -2,8 +2,10 @@
 
     step():
         scheduler_output = scheduler.schedule()                          what runs now (data only)
+        structured_output_manager.grammar_bitmask(..., scheduler_output) constrained rows' allowed tokens
         runner_output    = model_runner.execute_model(scheduler_output)  ONE forward, then sampling
         core_outputs     = scheduler.update_from_output(...)             append tokens, stops, free
+        structured_output_manager.accept_outputs(...)                    the tokens move their grammars on
         (groups whose next tokens are chosen here: beam_search.step(o) -> scheduler.update_group(update))
 
 A request that fails in the runner fails alone (`ModelRunnerOutput.errors`, see roseinfer/worker/step_isolation.py):
@@ -22,6 +24,7 @@ from roseinfer.core.request import Request
 from roseinfer.core.sched.output import EngineCoreOutput, SchedulerOutput
 from roseinfer.core.sched.scheduler import Scheduler
 from roseinfer.engine.beam_search import BeamSearch
+from roseinfer.structured_output import StructuredOutputManager
 from roseinfer.worker import make_model_runner
 
 
@@ -38,10 +41,13 @@ class EngineCore:
                                                cc.num_cpu_blocks, cc.watermark)  # fmt: skip
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         self.beam_search = BeamSearch()  # chooses the next tokens of the groups that report candidates
+        self.structured_output_manager = StructuredOutputManager(config)  # grammars: compiled, masks, matchers
         self._in_flight = None  # async scheduling: (scheduler output, runner handle) of the step still running
 
     def add_request(self, request: Request) -> None:
         self.beam_search.prepare(request)  # (a beam search runs as a group that returns candidates)
+        self.scheduler.check_fits(request)
+        self.structured_output_manager.grammar_init(request)  # compiling starts (in a thread) now
         self.scheduler.add_request(request)
         self.beam_search.add(request)
 
@@ -64,17 +70,27 @@ class EngineCore:
 
     def step(self) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
         """One step; with async scheduling, the outputs are those of the step before, which ran meanwhile."""
+        so = self.structured_output_manager
+        failed = self._fail(so.failed_requests()) if so.compiling else []  # a grammar that did not compile
         if self.config.scheduler_config.async_scheduling:
-            return self._step_async()
+            scheduler_output, outputs = self._step_async()
+            return scheduler_output, failed + outputs
         scheduler_output = self.scheduler.schedule()
+        so.grammar_bitmask(self.scheduler.requests, scheduler_output)
         runner_output = self.model_runner.execute_model(scheduler_output)
-        return scheduler_output, self._update(scheduler_output, runner_output)
+        return scheduler_output, failed + self._update(scheduler_output, runner_output)
 
     def _update(self, scheduler_output: SchedulerOutput, runner_output) -> list[EngineCoreOutput]:
         failed = self._fail(runner_output.errors) if runner_output.errors else []
         outputs = failed + self.scheduler.update_from_output(scheduler_output, runner_output)
         if runner_output.candidates:  # groups whose next tokens are chosen here may have reported theirs
             outputs = self._choose(outputs)
+        if self.structured_output_manager.backend is not None:  # the sampled tokens move the grammars on
+            ended, refused = self.structured_output_manager.accept_outputs(self.scheduler.requests, outputs)
+            if ended:  # a grammar that reached its end finishes its request, as a stop token would
+                self.scheduler.finish_requests(ended, "stop")
+            if refused:
+                outputs = [o for o in outputs if o.request_id not in refused] + self._fail(refused)
         return outputs
 
     def _choose(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
@@ -129,6 +145,7 @@ class EngineCore:
         if self._in_flight is not None:
             prev, handle = self._in_flight
             outputs = self._update(prev, self.model_runner.finish_step(handle))
+        self.structured_output_manager.grammar_bitmask(self.scheduler.requests, scheduler_output)  # after t's tokens
         self._in_flight = (scheduler_output, self.model_runner.launch_step(scheduler_output))
         return scheduler_output, outputs
 
@@ -200,4 +217,5 @@ class EngineCore:
         return fn(self.model_runner.model)
 
     def close(self) -> None:
+        self.structured_output_manager.close()
         self.model_runner.close()

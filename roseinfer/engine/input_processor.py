@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from roseinfer.checks import is_int
 from roseinfer.sampling_params import BeamSearchParams, SamplingParams
+from roseinfer.structured_output.backend_xgrammar import validate_structured_outputs
 from roseinfer.tokenizer import Tokenizer
 
 
@@ -45,9 +46,12 @@ class InputProcessor:
         return (prompt if isinstance(prompt, str) else None), ids
 
     def check_params(self, params: SamplingParams | BeamSearchParams) -> None:
-        """ValueError if the parameters name a token id outside the vocabulary."""
+        """ValueError if the parameters name a token id outside the vocabulary, or carry a constraint that does not
+        compile (an invalid JSON schema, regex or grammar: xgrammar says why; checked once per distinct one)."""
         V = self.vocab_size
         for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
             bad = sorted(t for t in ids if not 0 <= t < V)
             if bad:
                 raise ValueError(f"{name} has token ids {bad[:5]} outside the vocabulary [0, {V})")
+        if params.structured_outputs is not None:
+            validate_structured_outputs(params.structured_outputs)

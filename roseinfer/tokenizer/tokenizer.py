@@ -82,6 +82,7 @@ class Tokenizer:
         specials = encoding.special_tokens_set
         self.eos_token_id: int | None = encoding.encode_single_token(EOT) if EOT in specials else None
         self.vocab_size: int = encoding.n_vocab
+        self.special_ids = sorted(encoding.encode_single_token(t) for t in specials)  # the ids that make no text
         # for chat templates: GPT-2's named special tokens (transformers' defaults) and the model's template
         names = ("bos_token", "eos_token", "unk_token")
         self.special_tokens_map: dict[str, str] = dict.fromkeys(names, EOT) if EOT in specials else {}

@@ -17,7 +17,8 @@ Built in the engine core's order (roseinfer/engine/core.py), as vLLM's EngineCor
       5. the LM head on the rows that need a next token  the last new token of each request that reaches
                                                          the end of its sequence (not a prompt chunk that
                                                          goes on next step); a request verifying k drafts
-                                                         brings k + 1 rows
+                                                         brings k + 1 rows; a constrained request's forbidden
+                                                         tokens -inf (structured outputs: the step's bitmask)
       6. sample (roseinfer/sample/)                      the whole batch at once; verifying requests go to
                                                          the rejection sampler; a request with candidates
                                                          returns its top tokens instead of a sample; the
@@ -49,6 +50,7 @@ from roseinfer.config import EngineConfig
 from roseinfer.core.request import as_token_ids
 from roseinfer.core.sched.output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
 from roseinfer.model_executor.loader import load_model
+from roseinfer.sample.grammar_bitmask import apply_grammar_bitmask
 from roseinfer.sample.logprobs import to_lists
 from roseinfer.sample.rejection_sampler import rejection_sample
 from roseinfer.worker.input_batch import InputBatch
@@ -195,6 +197,9 @@ class ModelRunner:
                 sample_rows = np.append(sample_rows, input_batch.req_id_to_row[fork.child_id])
             nrows = np.append(nrows, np.ones(len(forks), dtype=np.int64))
         logits = self.model.compute_logits(hidden[self.to_device(logits_rows)])  # [rows, V]
+        if scheduler_output.grammar_bitmask is not None:  # structured outputs: what the grammars forbid is -inf
+            apply_grammar_bitmask(logits, scheduler_output.structured_output_request_ids,
+                                  scheduler_output.grammar_bitmask, req_ids, nrows)  # fmt: skip
         handle = self._sample(logits, req_ids, sample_rows, nrows, scheduler_output)
         if input_batch.prompt_logprobs_ready:  # prompts whose log-probabilities are all in go with the first token
             sampled = set(req_ids)

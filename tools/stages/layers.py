@@ -33,6 +33,7 @@ LAYERS = {  # package -> layer: a package may import from its own layer and the 
     "spec_decode": 3,
     "sample": 2,
     "core": 2,
+    "structured_output": 2,
     "model_executor": 1,
     "attention": 0,
     "tokenizer": 0,

@@ -26,6 +26,8 @@ message can be pickled to another process (tensor parallelism) or read by a test
                                                   order (a swapped-out block may be reused in this step;
                                                   a copy may read a block that has just been swapped in)
       finished_req_ids       ids whose state the runner can drop
+      grammar_bitmask        structured outputs: the tokens each constrained request may take now, one bit per
+                             token ([rows, ceil(V/32)] int32), and `structured_output_request_ids` its first row
 
 A request gets a next token only when the step brings it to the end of its sequence (num_computed_tokens
 + num_scheduled_tokens == its number of tokens, plus its drafts); a prompt chunk that stops short only
@@ -46,6 +48,8 @@ with a `GroupUpdate`, which the scheduler carries out: forks, finishes, the chos
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from roseinfer.sampling_params import BeamSearchParams, SamplingParams
 
@@ -100,6 +104,10 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: list[str] = field(default_factory=list)  # sent back to waiting or swapped by this step
+    # structured outputs (filled by the core after scheduling: roseinfer/structured_output/): bit t of a row says
+    # token t may come next; a constrained request's rows start at its entry (1 row, or 1 + k with k drafts)
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    grammar_bitmask: np.ndarray | None = None  # [rows, ceil(V / 32)] int32; None: no row is constrained
 
 
 @dataclass

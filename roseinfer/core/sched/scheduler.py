@@ -11,7 +11,8 @@ cache), and each step hands out at most `max_num_batched_tokens` tokens of work:
      sequences of one request (n > 1, a group such as a beam search) are booked and preempted as one;
   2. then, if this step preempted nobody, swapped requests come back, oldest first, while their blocks fit
      above the watermark;
-  3. then, if nobody is left swapped, waiting requests, oldest first, while fewer than `max_num_seqs` run,
+  3. then, if nobody is left swapped, waiting requests, oldest first (passing over any whose grammar is still
+     compiling: roseinfer/structured_output/), while fewer than `max_num_seqs` run,
      tokens are left and their slots can be booked with `watermark_blocks` still free (else wait: nobody
      overtakes). A prompt longer than the tokens left is cut, with chunked prefill; the longest run of its
      first full blocks that the prefix cache holds is shared, and it starts past them;
@@ -229,10 +230,10 @@ class Scheduler:
             work = tokens_per_sequence(seqs, budget)
             if work and kv.blocks_needed([(s.request_id, n) for s, n in work]) <= kv.num_free_blocks:
                 budget = self._schedule_all(work, budget, out)  # else they compute next step
-        while not out.preempted_req_ids and not self.swapped and self.waiting and budget > 0:
-            req = self.waiting[0]
-            if len(self.running) + num_sequences_admitted(req) > self.max_num_seqs:
-                break  # a request with n sequences needs n places
+        while not out.preempted_req_ids and not self.swapped and budget > 0:
+            req = next((r for r in self.waiting if r.is_ready), None)  # (one whose grammar compiles lets others by)
+            if req is None or len(self.running) + num_sequences_admitted(req) > self.max_num_seqs:
+                break  # nobody ready; or a request with n sequences needs n places
             hashes = req.update_block_hashes(kv.block_size) if kv.enable_prefix_caching else []
             cached = []  # a cached prefix is shared; not with prompt log-probabilities (they need every position)
             if req.sampling_params.prompt_logprobs is None:
@@ -251,7 +252,8 @@ class Scheduler:
                 req.num_cached_tokens = num_cached  # first admission (a resumed request hits its own blocks)
             self.prefix_cache_queries += req.num_tokens
             self.prefix_cache_hits += num_cached
-            self.running.append(self.waiting.popleft())
+            self.waiting.remove(req)
+            self.running.append(req)
             budget -= n
             self._schedule_tokens(req, n, out)
 
