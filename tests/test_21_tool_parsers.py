@@ -14,7 +14,7 @@ from conftest import REPO
 from roseinfer.entrypoints import chat_utils
 from roseinfer.entrypoints.openai.errors import APIError
 from roseinfer.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from roseinfer.entrypoints.openai.structured_outputs import requested_constraints, structured_outputs_params
+from roseinfer.entrypoints.openai.structured_outputs import structured_outputs_params
 from roseinfer.entrypoints.openai.tool_calls import ToolCallReader, tool_choice
 from roseinfer.entrypoints.openai.tool_parsers import ToolParserManager
 from roseinfer.tokenizer import Tokenizer
@@ -220,10 +220,21 @@ def test_tool_call_reader_required_and_named():
     ({"guided_regex": "a+"}, {"regex": "a+"}),
     ({"guided_choice": ["yes", "no"]}, {"choice": ["yes", "no"]}),
     ({"guided_grammar": 'root ::= "a"'}, {"grammar": 'root ::= "a"'}),
+    (  # options without a constraint apply to the one given another way (vLLM merges them the same way)
+        {"response_format": {"type": "json_object"}, "structured_outputs": {"disable_any_whitespace": True}},
+        {"json_object": True, "disable_any_whitespace": True, "json": None},
+    ),
+    (
+        {"guided_choice": ["a"], "structured_outputs": {"disable_additional_properties": True}},
+        {"choice": ["a"], "disable_additional_properties": True, "disable_any_whitespace": False},
+    ),
 ])  # fmt: skip
 def test_each_spelling_becomes_one_structured_outputs_params(fields, want):
     for request in (chat_request(**fields), CompletionRequest.model_validate({"prompt": "a", **fields})):
-        params = structured_outputs_params(requested_constraints(request))
+        params, field = structured_outputs_params(request)
+        assert field == (
+            None if want is None else next(k for k in fields if k != "structured_outputs" or len(fields) == 1)
+        )
         assert (params is None) if want is None else {k: getattr(params, k) for k in want} == want
 
 
@@ -237,7 +248,7 @@ def test_each_spelling_becomes_one_structured_outputs_params(fields, want):
 ])  # fmt: skip
 def test_conflicting_or_empty_constraints_are_400_naming_them(fields, match):
     with pytest.raises(APIError, match=match) as e:
-        structured_outputs_params(requested_constraints(chat_request(**fields)))
+        structured_outputs_params(chat_request(**fields))
     assert e.value.status_code == 400
 
 

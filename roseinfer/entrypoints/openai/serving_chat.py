@@ -42,7 +42,7 @@ from roseinfer.entrypoints.openai.serving_engine import (
     until_disconnect,
     with_max_tokens,
 )
-from roseinfer.entrypoints.openai.structured_outputs import requested_constraints, structured_outputs_params
+from roseinfer.entrypoints.openai.structured_outputs import structured_outputs_params
 from roseinfer.entrypoints.openai.tool_calls import ToolCallReader, tool_call_arguments, tool_choice
 from roseinfer.entrypoints.openai.tool_parsers import ToolParser
 
@@ -127,16 +127,14 @@ class OpenAIServingChat(OpenAIServing):
         if request.logprobs:
             kwargs["logprobs"] = request.top_logprobs or 0
         tools = tool_choice(request, self.tool_parser)
-        constraints = requested_constraints(request)
-        if (schema := tools.schema(request.parallel_tool_calls)) is not None:
-            constraints["tool_choice"] = {"json": schema}
-        if (structured := structured_outputs_params(constraints)) is not None:
+        structured, constraint = structured_outputs_params(request, tools.schema(request.parallel_tool_calls))
+        if structured is not None:
             kwargs["structured_outputs"] = structured
         params = self.make_sampling_params({"max_tokens": 1} | kwargs)  # checked before the (slower) rendering
         _, ids = await self.render(request)
         if "max_tokens" not in kwargs:  # the rest of the context (the prompt alone too long: the check says so)
             params = with_max_tokens(params, max(1, self.max_model_len - len(ids)))
-        ids = await self.tokenize(ids, params)
+        ids = await self.tokenize(ids, params, constraint=constraint)
         self.admit(1)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         role = "assistant" if request.add_generation_prompt else request.messages[-1].role
