@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
+import sys
 
 import httpx
 import jsonschema
@@ -22,6 +24,7 @@ from conftest import REPO
 from test_13_server import assert_engine_empty, serving
 from test_19_server import assert_openai_error
 
+from benchmarks.common import server_env
 from roseinfer import LLM, LLMEngine, SamplingParams, StructuredOutputsParams
 from roseinfer.entrypoints import chat_utils
 from roseinfer.entrypoints.async_engine import AsyncLLMEngine
@@ -203,6 +206,12 @@ def test_stream_and_whole_answer_give_the_same_tool_calls(llama):
         drop_ids = [{k: v for k, v in c.items() if k != "id"} for c in calls]
         assert drop_ids == [{k: v for k, v in c.items() if k != "id"} for c in as_calls(r.choices[0].message)]
         assert reason == r.choices[0].finish_reason
+    r = llama[2].chat.completions.create(model="roseinfer", tool_choice=NAMED, n=2, seed=5, **kwargs | {
+        "temperature": 1.0})  # each choice is read on its own  # fmt: skip
+    assert [c.index for c in r.choices] == [0, 1]
+    for c in r.choices:
+        assert len(c.message.tool_calls) == 1 and c.message.tool_calls[0].function.name == "get_weather"
+        jsonschema.validate(json.loads(c.message.tool_calls[0].function.arguments), WEATHER)
 
 
 def test_auto_tool_choice_reads_hermes_calls_the_model_writes(llama):
@@ -275,11 +284,18 @@ BAD = [  # route, body, what the message says
 
 def test_bad_inputs_are_400_in_openai_shape_and_the_server_keeps_serving(llama):
     url, engine, client = llama
-    for route, body, match in BAD:
-        path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
-        base = {"messages": ASK} if route == "chat" else {"prompt": "ROMEO."}
-        r = httpx.post(url + path, json=base | {"max_tokens": 8} | body, timeout=60)
-        assert_openai_error(r, 400, match)
+    body = {"prompt": "KING.", "max_tokens": 40, "temperature": 0, "stream": True, "guided_json": PERSON, **COMPACT}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as streaming:  # in flight meanwhile
+        lines = streaming.iter_lines()
+        first = next(line for line in lines if line.startswith("data: {"))
+        for route, bad, match in BAD:
+            path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+            base = {"messages": ASK} if route == "chat" else {"prompt": "ROMEO."}
+            r = httpx.post(url + path, json=base | {"max_tokens": 8} | bad, timeout=60)
+            assert_openai_error(r, 400, match)
+        chunks = [json.loads(x[6:]) for x in [first, *lines] if x.startswith("data: {")]
+    text = "".join(c["text"] for chunk in chunks for c in chunk["choices"])
+    check(text, chunks[-1]["choices"][0]["finish_reason"], "json", PERSON)  # the stream went on, unharmed
     assert_engine_empty(engine)
     want = LLM(LLAMA, **ENGINE).generate(["ROMEO."], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     r = client.completions.create(model="roseinfer", prompt="ROMEO.", max_tokens=8, temperature=0)
@@ -302,6 +318,15 @@ def test_tools_need_a_template_that_renders_them_and_auto_needs_the_flags(gpt2):
                                        extra_body={"guided_choice": CHOICES})  # fmt: skip
     assert r.choices[0].message.content in CHOICES
     assert_engine_empty(engine)
+
+
+def test_structured_output_example_runs():
+    """./structured_output_example.sh's program: a real `roseinfer serve`, every answer checked inside."""
+    out = subprocess.run([sys.executable, "examples/structured_output_example.py"], cwd=REPO, env=server_env(),
+                         capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "valid against the schema" in out.stdout and "finish_reason=tool_calls" in out.stdout
+    assert "HTTP 400 guided_regex" in out.stdout and "exited with status 0" in out.stdout
 
 
 def test_serve_flags_for_auto_tool_choice():
