@@ -18,7 +18,10 @@ from roseinfer import LLM, SamplingParams, StructuredOutputsParams
 
 PERSON = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
     "required": ["name", "age"],
 }
 CONSTRAINTS = {
