@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU machine: the @pytest.mark.cuda tests, the fused ops' Triton kernels (their cuda tests and a timing
 # against the PyTorch references), ./verify_paged_attention.sh, the gpu benchmark (random-weight gpt2-medium
-# shapes, fp16) and the engine step with CUDA graphs off and on and with async scheduling (stage 16).
+# shapes, fp16) and the engine step with CUDA graphs off and on and with async scheduling (stage 16). The cuda
+# tests include stage 21's grammar bitmask on CUDA (xgrammar's kernel; skipped where xgrammar is not installed).
 # Writes results/gpu_report.md.
 #
 # It uses an existing CUDA build of torch (PYTHON, default python3) rather than .venv, whose

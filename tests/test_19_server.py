@@ -140,7 +140,7 @@ BAD_CHAT = [
     ({"messages": HAIL, "n": 33}, "max_num_seqs"),
     ({"messages": HAIL, "stream_options": {"include_usage": True}}, "stream_options"),
     ({"messages": HAIL, "top_logprobs": 2}, "top_logprobs needs logprobs"),
-    ({"messages": HAIL, "tools": [{"type": "function"}]}, "tools is not supported"),
+    ({"messages": HAIL, "tools": [{"type": "function"}]}, "tools[0].function is required"),
     ({"messages": HAIL, "frobnicate": 1}, "frobnicate"),
     ({"messages": HAIL, "model": "gpt-4"}, "does not exist"),
 ]

@@ -9,7 +9,6 @@ import re
 import time
 from concurrent.futures import Future
 
-import jsonschema
 import pytest
 import torch
 from conftest import core, run_all
@@ -51,6 +50,8 @@ def check(so: StructuredOutputsParams, text: str, finish_reason: str) -> None:
         return
     assert finish_reason == "stop", (so.kind, text, finish_reason)
     if so.kind == "json":
+        import jsonschema  # (imported here: the GPU machine's python runs this file's cuda test without it)
+
         jsonschema.validate(json.loads(text), so.json)
     elif so.kind == "json_object":
         assert isinstance(json.loads(text), dict), text
@@ -176,6 +177,21 @@ def test_the_bitmask_kernel_equals_the_reference(vocab):
     apply_token_bitmask(got, mask, rows)
     assert torch.equal(got, want)
     assert torch.equal(got[[1, 4, 6]], logits[[1, 4, 6]])  # rows without a mask are untouched
+
+
+@pytest.mark.cuda
+def test_the_bitmask_on_cuda_equals_the_reference():
+    """xgrammar's CUDA kernel (scripts/gpu_check.sh runs this; without xgrammar there it is skipped)."""
+    pytest.importorskip("xgrammar")
+    g = torch.Generator().manual_seed(0)
+    mask = torch.randint(-(2**31), 2**31 - 1, (5, 1536), dtype=torch.int32, generator=g)
+    logits = torch.randn(8, 49152, generator=g)
+    rows = [6, 1, 0, 4, 7]
+    want = logits.clone()
+    want[rows] = apply_token_bitmask_reference(logits[rows].clone(), mask)
+    got = logits.cuda()
+    apply_token_bitmask(got, mask, rows)
+    assert torch.equal(got.cpu(), want)
 
 
 # ---- outputs follow their constraints --------------------------------------------------------------------

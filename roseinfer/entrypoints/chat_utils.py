@@ -10,9 +10,11 @@ Jinja template (tokenizer_config.json's "chat_template", or chat_template.jinja)
         Mistral    <s>[INST] Hi! [/INST]
 
 The template sees `messages`, `add_generation_prompt` (end with the header of the assistant's turn, so the model
-answers) and the special tokens by name (`bos_token`, `eos_token` ...). The rendering is transformers' own
-(`render_jinja_template`, the function behind `tokenizer.apply_chat_template`), so the text is byte for byte
-what transformers makes; without transformers, a jinja2 sandbox set up the same way renders it.
+answers), `tools` (the functions the model may call, as OpenAI's {"type": "function", "function": {...}} dicts,
+or None) and the special tokens by name (`bos_token`, `eos_token` ...). An assistant message that calls tools
+has `tool_calls` and may have no content; a tool's answer is a message with role "tool". The rendering is
+transformers' own (`render_jinja_template`, the function behind `tokenizer.apply_chat_template`), so the text is
+byte for byte what transformers makes; without transformers, a jinja2 sandbox set up the same way renders it.
 
 The rendered text already holds the BOS if the model wants one, so it is tokenized with
 `add_special_tokens=False` (as `apply_chat_template(tokenize=True)` does): no second BOS.
@@ -46,7 +48,8 @@ def parse_chat_messages(messages) -> list[Conversation]:
 
 
 def check_conversation(conversation: Conversation, where: str = "") -> None:
-    """Every message a dict with string 'role' and 'content' (`where` prefixes the error: "conversation 2, ")."""
+    """Every message a dict with string 'role' and 'content' (`where` prefixes the error: "conversation 2, "); an
+    assistant message with 'tool_calls' may have no content (or None)."""
     if not isinstance(conversation, (list, tuple)):
         raise TypeError(f"a conversation must be a list of messages, got {type(conversation).__name__}")
     if not conversation:
@@ -56,6 +59,8 @@ def check_conversation(conversation: Conversation, where: str = "") -> None:
             raise TypeError(f"{where}message {m} must be a dict with 'role' and 'content', "
                             f"got {type(message).__name__}")  # fmt: skip
         for key in ("role", "content"):
+            if key == "content" and message.get("tool_calls") and message.get("content") is None:
+                continue
             if key not in message:
                 raise ValueError(f"{where}message {m} has no {key!r}: a message is {{'role': ..., 'content': ...}}")
             if not isinstance(message[key], str):
@@ -86,12 +91,13 @@ def resolve_chat_template(model_template: str | dict[str, str] | None, chat_temp
 
 def apply_chat_template(tokenizer, messages: Conversation, add_generation_prompt: bool = True,
                         chat_template: str | None = None, continue_final_message: bool = False,
-                        **kwargs) -> str:  # fmt: skip
+                        tools: list[dict] | None = None, **kwargs) -> str:  # fmt: skip
     """One conversation as prompt text, rendered by the model's template (or `chat_template`): the same string as
     transformers' `tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=...)`.
     `tokenizer`: anything with `chat_template` and `special_tokens_map` (Tokenizer, FastTokenizer). Extra
     keyword arguments reach the template (e.g. `enable_thinking=False` for Qwen3). `continue_final_message`:
-    the text ends inside the last message, so that the model continues it (a prefilled answer)."""
+    the text ends inside the last message, so that the model continues it (a prefilled answer). `tools`: the
+    functions the template shows the model (OpenAI's tool dicts)."""
     from jinja2.exceptions import TemplateError
 
     check_conversation(messages)
@@ -104,44 +110,46 @@ def apply_chat_template(tokenizer, messages: Conversation, add_generation_prompt
     conversation = [{k: v for k, v in m.items() if v is not None} for m in messages]
     try:
         return render_chat_template(template, conversation, add_generation_prompt, continue_final_message,
-                                    **template_kwargs)  # fmt: skip
+                                    tools=tools, **template_kwargs)  # fmt: skip
     except TemplateError as e:  # a syntax error, or the template's raise_exception("roles must alternate ...")
         raise ValueError(f"the chat template could not render these messages: {e}") from e
 
 
 def chat_prompt_token_ids(tokenizer, messages: Conversation, add_generation_prompt: bool = True,
                           chat_template: str | None = None, continue_final_message: bool = False,
-                          **kwargs) -> tuple[str, list[int]]:  # fmt: skip
+                          tools: list[dict] | None = None, **kwargs) -> tuple[str, list[int]]:  # fmt: skip
     """(the rendered prompt, its token ids): the ids of `apply_chat_template(..., tokenize=True)`, i.e. the text
     tokenized without adding special tokens, since the template wrote the BOS itself if the model wants one."""
     text = apply_chat_template(tokenizer, messages, add_generation_prompt, chat_template, continue_final_message,
-                               **kwargs)  # fmt: skip
+                               tools, **kwargs)  # fmt: skip
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 
 def render_chat_template(template: str, messages: Conversation, add_generation_prompt: bool,
-                         continue_final_message: bool = False, **kwargs) -> str:  # fmt: skip
+                         continue_final_message: bool = False, tools: list[dict] | None = None,
+                         **kwargs) -> str:  # fmt: skip
     """Render with transformers' renderer if it is installed, else with `render_with_jinja2`."""
     try:
         from transformers.utils.chat_template_utils import render_jinja_template
     except ImportError:
-        return render_with_jinja2(template, messages, add_generation_prompt, continue_final_message, **kwargs)
-    rendered, _ = render_jinja_template(conversations=[messages], chat_template=template,
+        return render_with_jinja2(template, messages, add_generation_prompt, continue_final_message, tools, **kwargs)
+    rendered, _ = render_jinja_template(conversations=[messages], chat_template=template, tools=tools,
                                         add_generation_prompt=add_generation_prompt,
                                         continue_final_message=continue_final_message, **kwargs)  # fmt: skip
     return rendered[0]
 
 
 def render_with_jinja2(template: str, messages: Conversation, add_generation_prompt: bool,
-                       continue_final_message: bool = False, **kwargs) -> str:  # fmt: skip
+                       continue_final_message: bool = False, tools: list[dict] | None = None,
+                       **kwargs) -> str:  # fmt: skip
     """The environment transformers renders chat templates in, rebuilt: a sandbox (a template from the Hub is
     untrusted code), trim_blocks + lstrip_blocks (a `{% ... %}` line leaves no whitespace behind), loop controls,
     `tojson` that keeps non-ASCII text, `raise_exception` and `strftime_now` for templates to call. To continue
     the final message, the text is cut right after that message's content, where the template closed it."""
-    text = _compile(template).render(messages=messages, tools=None, documents=None,
+    text = _compile(template).render(messages=messages, tools=tools, documents=None,
                                      add_generation_prompt=add_generation_prompt, **kwargs)  # fmt: skip
     if continue_final_message:
-        content = messages[-1]["content"].strip()
+        content = (messages[-1].get("content") or "").strip()
         if content not in text:
             raise ValueError("continue_final_message is set but the chat template does not write the final "
                              "message's content as it is")  # fmt: skip

@@ -5,6 +5,7 @@
     roseinfer serve --tensor-parallel-size 2          # the model split across 2 processes
     roseinfer serve --api-key KEY --chat-template chat.jinja --shutdown-timeout 10
     roseinfer serve --allocator system                # glibc's malloc (default: tcmalloc/jemalloc if installed)
+    roseinfer serve --enable-auto-tool-choice --tool-call-parser hermes   # tool_choice "auto": read the calls
 
 The engine's flags are `EngineArgs`' fields with dashes (vLLM's spelling), made from the one definition in
 roseinfer/config.py; the server's are below (vLLM's names where vLLM has the flag).
@@ -39,6 +40,18 @@ def serve_parser(sub) -> argparse.ArgumentParser:
         default=None,
         help="a Jinja chat template file (or the template itself) instead of the model's own",
     )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto" (the default when a request has tools): the model may call a tool in its own '
+        "markup, which --tool-call-parser reads",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=tool_parser_names(),
+        help="how the model writes a tool call (needed by --enable-auto-tool-choice)",
+    )
     p.add_argument("--max-waiting", type=int, default=1024, help="waiting requests before new ones get HTTP 503")
     p.add_argument(
         "--max-request-body-bytes",
@@ -65,6 +78,24 @@ def serve_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def tool_parser_names() -> list[str]:
+    from roseinfer.entrypoints.openai.tool_parsers import ToolParserManager
+
+    return ToolParserManager.list_registered()
+
+
+def auto_tool_parser(args: argparse.Namespace):
+    """The parser class for tool_choice "auto", or None; --enable-auto-tool-choice needs --tool-call-parser."""
+    from roseinfer.entrypoints.openai.tool_parsers import ToolParserManager
+
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("--enable-auto-tool-choice requires --tool-call-parser NAME (one of "
+                         f"{', '.join(tool_parser_names())}): how the model writes a tool call")  # fmt: skip
+    if not args.enable_auto_tool_choice:
+        return None
+    return ToolParserManager.get_tool_parser(args.tool_call_parser)
+
+
 def read_chat_template(value: str | None) -> str | None:
     """--chat-template: a file's contents, or the value itself if it is a template (has "{{" or "{%")."""
     if value is None:
@@ -88,9 +119,10 @@ def serve(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     chat_template = read_chat_template(args.chat_template)
+    tool_parser = auto_tool_parser(args)
     engine = LLMEngine.from_config(EngineArgs.from_cli_args(args).create_engine_config())
     app = build_app(AsyncLLMEngine(engine), args.served_model_name or "roseinfer", args.max_waiting,
-                    api_key=args.api_key, chat_template=chat_template,
+                    api_key=args.api_key, chat_template=chat_template, tool_parser=tool_parser,
                     max_request_body_bytes=args.max_request_body_bytes)  # fmt: skip
     try:
         serve_http(app, args.host, args.port, args.shutdown_timeout)

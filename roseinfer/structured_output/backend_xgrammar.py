@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import re
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -91,8 +92,14 @@ def _check_spec(kind: str, spec: str) -> str | None:
         else:
             xgr.Grammar.from_ebnf(spec)
     except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own errors with the reason
-        return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return xgrammar_error(e)
     return None
+
+
+def xgrammar_error(e: BaseException) -> str:
+    """xgrammar's reason, without the time and C++ source line it starts with ("[10:01:09] /project/cpp/...:83: ")."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text)
 
 
 def validate_structured_outputs(params: StructuredOutputsParams) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from roseinfer.structured_output.backend_xgrammar import XgrammarGrammar
+from roseinfer.structured_output.backend_xgrammar import XgrammarGrammar, xgrammar_error
 
 
 class StructuredOutputRequest:
@@ -35,8 +35,7 @@ class StructuredOutputRequest:
         """Why the compile failed (None while it runs or if it succeeded)."""
         if not self._compiled.done() or self._compiled.exception() is None:
             return None
-        e = self._compiled.exception()
-        return f"structured_outputs.{self.key[0]} failed to compile: {e}"
+        return f"structured_outputs.{self.key[0]} failed to compile: {xgrammar_error(self._compiled.exception())}"
 
     def fork(self) -> StructuredOutputRequest:
         """The constraint of a sequence forked from this one (n > 1): the same grammar, a matcher in the same state."""

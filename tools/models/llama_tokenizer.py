@@ -12,7 +12,10 @@ tools/models/train_tiny_model.py --arch llama uses this module. The vocabulary i
   post-processor that prepends <|begin_of_text|> to every encoded text, as Llama 3's does;
 - tokenizer_config.json: names BOS and EOS and carries a Llama 3 chat template: each message is
   `<|start_header_id|>role<|end_header_id|>\\n\\n` + content + `<|eot_id|>`, and
-  add_generation_prompt opens an assistant header for the model to fill.
+  add_generation_prompt opens an assistant header for the model to fill. With `tools`, a system
+  block lists them as JSON and asks for Hermes-style `<tool_call>{"name": ..., "arguments": ...}
+  </tool_call>` answers; an assistant's tool_calls are written back that way, and a tool's result
+  is a `tool` turn in `<tool_response>` tags (the model was never trained on any of it).
 
 chat_samples() turns short exchanges of a play into user/assistant messages for that template,
 and chat_sample_ids() into the token ids the model trains on.
@@ -33,9 +36,34 @@ START_HEADER, END_HEADER, EOT_ID = "<|start_header_id|>", "<|end_header_id|>", "
 SPECIALS = (BOS, EOS, START_HEADER, END_HEADER, EOT_ID)
 CHAT_TEMPLATE = (
     "{{- bos_token }}"
+    "{%- if tools %}"
+    r"{{- '<|start_header_id|>system<|end_header_id|>\n\n' }}"
+    r"{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] | trim + '\n\n' }}{%- endif %}"
+    r"{{- 'You may call one or more functions. They are listed in <tools></tools> tags:\n<tools>' }}"
+    r"{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}"
+    r"""{{- '\n</tools>\n\nTo call a function, answer with a JSON object with its name and arguments in """
+    r"""<tool_call></tool_call> tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}"""
+    r"""\n</tool_call><|eot_id|>' }}"""
+    "{%- endif %}"
     "{%- for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] is defined %}"
+    r"{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    r"{%- if message['content'] %}{{- message['content'] | trim + '\n' }}{%- endif %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set fn = call['function'] if call['function'] is defined else call %}"
+    r"{%- if not loop.first %}{{- '\n' }}{%- endif %}"
+    r"""{{- '<tool_call>\n{"name": ' + (fn['name'] | tojson) + ', "arguments": ' + (fn['arguments'] | tojson) """
+    r"""+ '}\n</tool_call>' }}"""
+    "{%- endfor %}"
+    "{{- '<|eot_id|>' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    r"{{- '<|start_header_id|>tool<|end_header_id|>\n\n<tool_response>\n' + message['content'] | trim"
+    r" + '\n</tool_response><|eot_id|>' }}"
+    "{%- else %}"
     r"{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim"
     " + '<|eot_id|>' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     r"{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
 )  # fmt: skip

@@ -49,8 +49,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from roseinfer.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -107,7 +105,8 @@ class SchedulerOutput:
     # structured outputs (filled by the core after scheduling: roseinfer/structured_output/): bit t of a row says
     # token t may come next; a constrained request's rows start at its entry (1 row, or 1 + k with k drafts)
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
-    grammar_bitmask: np.ndarray | None = None  # [rows, ceil(V / 32)] int32; None: no row is constrained
+    grammar_bitmask: object = None  # a numpy array [rows, ceil(V / 32)] int32 (made by the core, which imports no
+    # numpy itself: roseinfer/structured_output/); None: no row is constrained
 
 
 @dataclass

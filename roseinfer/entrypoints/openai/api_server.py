@@ -49,6 +49,7 @@ from roseinfer.entrypoints.openai.serving_chat import OpenAIServingChat
 from roseinfer.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from roseinfer.entrypoints.openai.serving_engine import ServerState
 from roseinfer.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from roseinfer.entrypoints.openai.tool_parsers import ToolParser
 
 MAX_REQUEST_BODY_BYTES = 10 * 2**20  # 10 MiB: a prompt far longer than any context still fits
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)}  # documented in OpenAPI
@@ -56,9 +57,11 @@ ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 50
 
 def build_app(engine: AsyncLLMEngine, model_name: str = "roseinfer", max_waiting: int = 1024, *,
               api_key: str | None = None, chat_template: str | None = None,
+              tool_parser: type[ToolParser] | None = None,
               max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES) -> FastAPI:  # fmt: skip
     """The app. `max_waiting`: requests that may wait for the engine before new ones get HTTP 503;
-    `chat_template`: a Jinja template that replaces the model's own; `api_key`: required on /v1 routes."""
+    `chat_template`: a Jinja template that replaces the model's own; `api_key`: required on /v1 routes;
+    `tool_parser`: reads the model's tool calls for tool_choice "auto" (None: "auto" is refused)."""
     config = engine.engine.config.model_config
     metrics = ServerMetrics(model_name, config.max_model_len, engine.engine.config.speculative_config is not None)
     engine.stat_logger = metrics.record
@@ -79,7 +82,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str = "roseinfer", max_waiting
         app.add_middleware(APIKeyMiddleware, api_key=api_key)  # added last: runs first, before the body is read
     common = (engine, model_name, max_waiting, state)
     completion = OpenAIServingCompletion(*common)
-    chat = OpenAIServingChat(*common, chat_template=chat_template)
+    chat = OpenAIServingChat(*common, chat_template=chat_template, tool_parser=tool_parser)
     tokenization = OpenAIServingTokenization(*common, chat=chat)
 
     @app.get("/health")

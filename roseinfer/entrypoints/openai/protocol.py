@@ -24,6 +24,10 @@ default of every field keeps working.
     logprobs (completions: N)               logprobs = N
     logprobs + top_logprobs (chat: bool, N) logprobs = N (0 without top_logprobs)
     echo with logprobs, prompt_logprobs     prompt_logprobs
+    response_format, structured_outputs,    structured_outputs (structured_outputs.py: one constraint at most)
+    guided_json/regex/choice/grammar
+    tools + tool_choice (chat)              the template's `tools`; "required" or a named function: a JSON
+                                            schema in structured_outputs (tool_calls.py)
 """
 
 from __future__ import annotations
@@ -51,6 +55,35 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool = Field(False, description="end the stream with a chunk that holds the token usage")
 
 
+class JsonSchemaResponseFormat(OpenAIBaseModel):
+    """response_format's json_schema: OpenAI names the schema and says whether it is `strict`; here every schema
+    is enforced token by token, strict or not."""
+
+    name: str = Field(description="the schema's name (a-z, A-Z, 0-9, _ and -)")
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema", description="the JSON schema itself")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's response_format: plain text, any JSON object, or JSON that validates against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaResponseFormat | None = Field(None, description='with type "json_schema"')
+
+
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's `structured_outputs` field: the fields of roseinfer.sampling_params.StructuredOutputsParams."""
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json", description="a JSON schema")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = Field(None, description="an EBNF grammar, the start rule named root")
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+
 class SamplingRequest(OpenAIBaseModel):
     """The fields every generating request shares (OpenAI's, and vLLM's extras top_k, ignore_eos, stop_token_ids)."""
 
@@ -74,6 +107,13 @@ class SamplingRequest(OpenAIBaseModel):
     min_tokens: int | None = Field(None, description="no EOS, stop token or stop string before this many tokens")
     min_p: float | None = Field(None, description="drop tokens less likely than min_p x the most likely")
     include_stop_str_in_output: bool | None = Field(None, description="keep the stop string in the text")
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = Field(None, description="vLLM's: one constraint")
+    guided_json: str | dict[str, Any] | None = Field(None, description="vLLM's older name of structured_outputs.json")
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The SamplingParams arguments this request sets (the fields left out keep SamplingParams' defaults)."""
@@ -102,17 +142,44 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One message; fields past role and content (name, tool_calls ...) reach the chat template unchanged."""
+    """One message; fields past role and content (name, tool_call_id ...) reach the chat template unchanged. An
+    assistant message's `tool_calls` are checked and their arguments parsed into objects (tool_calls.py)."""
 
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     role: str
     content: str | list[TextPart] | None = None
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(description="what the model calls it by")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments object")
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(OpenAIBaseModel):
+    """One tool: OpenAI's function tools (the only kind)."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(OpenAIBaseModel):
+    """tool_choice {"type": "function", "function": {"name": ...}}: the answer is a call of that function."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatTemplateFields(OpenAIBaseModel):
     """How the messages become a prompt: through the model's chat template (entrypoints/chat_utils.py)."""
 
     messages: list[ChatMessage]
+    tools: list[ChatCompletionToolsParam] | None = Field(None, description="functions the model may call")
     add_generation_prompt: bool = Field(True, description="end with the header of the assistant's turn")
     continue_final_message: bool = Field(False, description="continue the last message instead of starting one")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the template")
@@ -124,17 +191,15 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     max_completion_tokens: int | None = Field(None, description="OpenAI's newer name of max_tokens (wins if both)")
     logprobs: bool | None = Field(None, description="return each generated token's logprob")
     top_logprobs: int | None = Field(None, description="and the N most likely at each position (needs logprobs)")
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: Any = None
+    tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = Field(
+        None, description='"auto" when tools are given (needs --enable-auto-tool-choice), else "none"'
+    )
+    parallel_tool_calls: bool | None = Field(None, description="false: one tool call at most")
 
 
 # fields the server does not implement -> the values that mean "off", the only ones accepted (compared with their
 # types: `best_of: 1.0` is refused though 1.0 == 1)
-UNSUPPORTED = {
-    "best_of": (None, 1), "suffix": (None,), "tools": (None, []), "tool_choice": (None, "none"),
-    "response_format": (None,),
-}  # fmt: skip
+UNSUPPORTED = {"best_of": (None, 1), "suffix": (None,), "guided_whitespace_pattern": (None,)}
 
 
 class TokenizeCompletionRequest(OpenAIBaseModel):

@@ -11,7 +11,8 @@ so a long stream costs no more per step than a short one):
     data: {"id": "cmpl-…", "choices": [], "usage": {…}}        with stream_options.include_usage
     data: [DONE]
 
-Not streaming, the same chunks are joined into one answer.
+Not streaming, the same chunks are joined into one answer. `response_format`, `structured_outputs` or a
+`guided_*` field constrains every choice's text (structured_outputs.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from roseinfer.entrypoints.openai.serving_engine import (
     sse,
     until_disconnect,
 )
+from roseinfer.entrypoints.openai.structured_outputs import structured_outputs_params
 
 
 def prompt_list(prompt) -> list:
@@ -59,10 +61,15 @@ class OpenAIServingCompletion(OpenAIServing):
         kwargs["prompt_logprobs"] = request.logprobs if request.echo and request.prompt_logprobs is None else None
         if request.prompt_logprobs is not None:
             kwargs["prompt_logprobs"] = request.prompt_logprobs
+        structured, constraint = structured_outputs_params(request)
+        if structured is not None:
+            kwargs["structured_outputs"] = structured
         params = self.make_sampling_params(kwargs)
         self.check_num_prompts(len(prompts))
         many = len(prompts) > 1
-        ids = [await self.tokenize(p, params, f"prompt {i}: " if many else "") for i, p in enumerate(prompts)]
+        ids = [
+            await self.tokenize(p, params, f"prompt {i}: " if many else "", constraint) for i, p in enumerate(prompts)
+        ]
         self.admit(len(prompts))
         rid = f"cmpl-{uuid.uuid4().hex}"
         include_usage = bool(request.stream_options and request.stream_options.include_usage)

@@ -84,12 +84,16 @@ class OpenAIServing:
             raise APIError(400, f"the request has {num_prompts} prompts, more than this server ever queues at once "
                                 f"({self.max_waiting}): send them in several requests", "prompt")  # fmt: skip
 
-    async def tokenize(self, prompt, params: SamplingParams, where: str = "") -> list[int]:
+    async def tokenize(self, prompt, params: SamplingParams, where: str = "", constraint: str | None = None,
+                       ) -> list[int]:  # fmt: skip
         """The prompt's token ids (tokenized in a thread: the event loop serves the streams meanwhile), checked
-        as `LLMEngine.add_request` would check them, and against the context with `max_tokens`."""
+        as `LLMEngine.add_request` would check them, and against the context with `max_tokens`. `constraint`: the
+        request field that gave params.structured_outputs, named if it does not compile."""
         try:
             ids = await self.engine.check_request(prompt, params)
         except (ValueError, TypeError) as e:
+            if constraint is not None and str(e).startswith("structured_outputs"):
+                raise APIError(400, f"{constraint}: {e}", constraint) from e
             raise APIError(400, f"{where}{e}", "prompt") from e
         self.check_context(len(ids), params.max_tokens)
         return ids
