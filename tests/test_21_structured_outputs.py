@@ -341,7 +341,7 @@ def test_compiled_grammars_are_cached_and_the_cache_is_bounded(make_engine):
     eng.add_request("b", "JULIET:", params(StructuredOutputsParams(regex=DATE)))
     manager = core(eng).structured_output_manager
     sa, sb = (core(eng).scheduler.requests[r].structured_output_request for r in "ab")
-    assert sa._compiled is sb._compiled  # one compile for both
+    assert sa.compiled is sb.compiled  # one compile for both
     run_all(eng)
     backend = manager.backend
     backend.cache_size = 2

@@ -70,7 +70,9 @@ class EngineCore:
 
     def step(self) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
         """One step; with async scheduling, the outputs are those of the step before, which ran meanwhile."""
-        so = self.structured_output_manager
+        so, sched = self.structured_output_manager, self.scheduler
+        if so.compiling and not (sched.running or sched.swapped or any(r.is_ready for r in sched.waiting)):
+            so.wait_for_grammars(timeout=0.05)  # nothing can run until a grammar is compiled: wait for it
         failed = self._fail(so.failed_requests()) if so.compiling else []  # a grammar that did not compile
         if self.config.scheduler_config.async_scheduling:
             scheduler_output, outputs = self._step_async()

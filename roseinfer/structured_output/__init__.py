@@ -19,6 +19,8 @@ as it receives the token ids. Unconstrained requests pay nothing: a step with no
 
 from __future__ import annotations
 
+from concurrent.futures import FIRST_COMPLETED, wait
+
 from roseinfer.config import EngineConfig
 from roseinfer.core.request import Request
 from roseinfer.core.sched.output import EngineCoreOutput, SchedulerOutput
@@ -70,6 +72,11 @@ class StructuredOutputManager:
                 if sor.error is not None and not req.finished:
                     failed[rid] = sor.error
         return failed
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """Block until one compiling grammar is done (or `timeout` seconds): what the core does when nothing
+        else can run, instead of stepping empty steps that take the CPU from the compile thread."""
+        wait([r.structured_output_request.compiled for r in self.compiling.values()], timeout, FIRST_COMPLETED)
 
     def grammar_bitmask(self, requests: dict[str, Request], scheduler_output: SchedulerOutput) -> None:
         """Fill `scheduler_output.grammar_bitmask` with the rows of the step's constrained requests, and
