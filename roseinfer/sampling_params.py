@@ -73,8 +73,10 @@ class StructuredOutputsParams:
 
     def __post_init__(self) -> None:
         kinds = [name for name in CONSTRAINTS if getattr(self, name) is not None]
-        _check(len(kinds) <= 1, f"structured_outputs takes one kind of constraint but several are set: {kinds}")
-        _check(len(kinds) == 1, f"structured_outputs needs one kind of constraint ({', '.join(CONSTRAINTS)}), got none")
+        _check(len(kinds) <= 1, f"You can only use one kind of structured outputs constraint but multiple are "
+                                f"specified: {kinds}")  # fmt: skip
+        _check(len(kinds) == 1, f"You must use one kind of structured outputs constraint ({', '.join(CONSTRAINTS)}) "
+                                "but none are specified")  # fmt: skip
         what = type(self.json).__name__
         _check(self.json is None or isinstance(self.json, (str, dict)),
                f"structured_outputs.json must be a JSON schema (a dict or its JSON text), got {what}")  # fmt: skip

@@ -256,7 +256,7 @@ BAD = [  # route, body, what the message says
     ("chat", {"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice and guided_regex both"),
     ("chat", {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
      "response_format and structured_outputs both"),
-    ("chat", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "several are set"),
+    ("chat", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "multiple are specified"),
     ("chat", {"structured_outputs": {"disable_any_whitespace": True}}, "needs one kind"),
     ("chat", {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern is not supported"),
     ("chat", {"response_format": {"type": "xml"}}, "response_format.type"),

@@ -111,8 +111,8 @@ def reference(gpt2):
 @pytest.mark.parametrize(
     ("kw", "match"),
     [
-        ({}, "needs one kind of constraint"),
-        ({"json": PERSON, "regex": DATE}, r"several are set: \['json', 'regex'\]"),
+        ({}, "You must use one kind of structured outputs constraint"),
+        ({"json": PERSON, "regex": DATE}, r"but multiple are specified: \['json', 'regex'\]"),
         ({"choice": []}, "choice must be a non-empty list of strings"),
         ({"choice": ["a", 3]}, "choice must be a non-empty list of strings"),
         ({"json": 3}, "json must be a JSON schema"),

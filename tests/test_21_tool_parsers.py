@@ -241,7 +241,7 @@ def test_each_spelling_becomes_one_structured_outputs_params(fields, want):
 @pytest.mark.parametrize(("fields", "match"), [
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex and response_format both"),
     ({"guided_choice": ["a"], "structured_outputs": {"regex": "a"}}, "guided_choice and structured_outputs both"),
-    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "several are set"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "multiple are specified"),
     ({"structured_outputs": {"disable_any_whitespace": True}}, "needs one kind"),
     ({"guided_choice": []}, "non-empty list"),
     ({"response_format": {"type": "json_schema"}}, '"json_schema": {"name"'),
