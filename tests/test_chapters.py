@@ -230,3 +230,23 @@ def test_marked_outputs_are_what_the_stage_prints():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "1 marked outputs rerun, 0 differ" in proc.stdout
+
+
+def test_a_chapter_links_its_neighbours_and_shows_its_diff(tmp_path):
+    from tools.chapters.links import check_links
+
+    chapter = tmp_path / "05-b" / "README.md"
+    chapter.parent.mkdir()
+    good = (
+        "Previous: [04](../04-a/README.md) ·\nNext: [06](../06-c/README.md)\n\n"
+        "```bash\ngit diff -M stage-04-a stage-05-b --stat -- roseinfer/\n```\n"
+    )
+    chapter.write_text(good)
+    assert check_links(read_document(chapter), "05-b", ("04-a", "06-c")) == []
+    assert check_links(read_document(chapter), "05-b", ("04-a", None)) == []  # the last chapter links no next
+    chapter.write_text(good.replace("Next: [06](../06-c/README.md)", "Next: chapter 06"))
+    (failure,) = check_links(read_document(chapter), "05-b", ("04-a", "06-c"))
+    assert "no 'Next: [...](../06-c/README.md)' link" in failure
+    chapter.write_text(good.replace("stage-04-a stage-05-b", "stage-03-z stage-05-b"))
+    (failure,) = check_links(read_document(chapter), "05-b", ("04-a", "06-c"))
+    assert "git diff stage-04-a stage-05-b" in failure

@@ -23,6 +23,8 @@ yet, against the working tree. Files are read with `git show`, so the default mo
 |             | every module                                                          |                   |
 | outputs     | `<!-- output: CMD -->` before a block: rerun CMD at the stage and     | outputs.py        |
 |             | compare (`--outputs` only)                                            |                   |
+| links       | Previous/Next links to the chapters on either side, and a shell block | links.py          |
+|             | with `git diff stage-<previous> stage-<this>`                         |                   |
 | data        | a section with a measured number (a rate, a time, a ratio) has a      | data.py           |
 |             | `Data:` line naming files under results/ that reproduce.py wrote      |                   |
 |             | from a command the chapter shows; a block after the line is the       |                   |
@@ -42,6 +44,7 @@ from pathlib import Path
 from tools.chapters.data import check_data, sync
 from tools.chapters.doc import REPO, Block, Snapshots, previous_commit, read_document, stage_commits
 from tools.chapters.excerpts import check_excerpts, match_excerpt
+from tools.chapters.links import check_links
 from tools.chapters.names import check_names
 from tools.chapters.words import check_layout, check_marks, check_words, goal_talk
 
@@ -62,6 +65,7 @@ def check_chapter(chapter: Path, commits: dict[str, str], files: Snapshots) -> l
         + check_words(doc)
         + check_marks(doc)
         + check_data(doc)
+        + check_links(doc, stage)
     )
 
 
