@@ -17,6 +17,7 @@ from conftest import make_llama_checkpoint
 from safetensors.torch import load_file, save_file
 
 from roseinfer import LLM, SamplingParams
+from roseinfer.custom_ops import available as cpu_ops_available
 from roseinfer.model_executor.loader import load_model, read_model_config
 from roseinfer.model_executor.quantization.compressed_tensors import parse_quantization_config
 from roseinfer.model_executor.quantization.int8 import (
@@ -26,7 +27,7 @@ from roseinfer.model_executor.quantization.int8 import (
     w8a8_linear_reference,
     w8a16_linear_reference,
 )
-from roseinfer.model_executor.quantization.int8_linear import Int8Linear, int8_mm, w8a8_linear
+from roseinfer.model_executor.quantization.int8_linear import Int8Linear, int8_mm, quantize_activations, w8a8_linear
 from tools.models.quantize_w8a8 import quantization_config, quantize_checkpoint
 
 TINY_LLAMA = Path(__file__).parent.parent / "roseinfer" / "models" / "tiny-llama-shakespeare"
@@ -194,3 +195,16 @@ def test_missing_scale_tensor_is_named(tmp_path):
     shutil.copy(fp32 / "model.safetensors", w8a8 / "model.safetensors")
     with pytest.raises(ValueError, match=r"_proj\.weight is torch\.float32, but quantization_config says int8"):
         LLM(str(w8a8), device="cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 576), (32, 576), (7, 63), (256, 1536)])
+def test_cpp_per_token_quant_equals_reference(shape, dtype):
+    """csrc/int8_quant.cpp's one-pass quantization == scaled_int8_quant, bit for bit (x_q and the scales)."""
+    if not cpu_ops_available():
+        pytest.skip("the C++ ops could not be built here")
+    x = torch.randn(*shape).to(dtype)
+    x[0] = 0  # an all-zero row: scale 1
+    x_q, scale = quantize_activations(x, None)
+    want_q, want_scale = scaled_int8_quant(x, None)
+    assert torch.equal(x_q, want_q) and torch.equal(scale, want_scale)

@@ -61,9 +61,9 @@ def scaled_mm_epilogue(acc: torch.Tensor, x_scale: torch.Tensor, weight_scale: t
                        bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
     """The float epilogue every W8A8 path shares: acc [N, out] int32 -> s_x · acc · s_w (+ bias), in fp32,
     then `out_dtype`. x_scale [N, 1] or [1, 1], weight_scale [out]."""
-    y = acc.float() * x_scale * weight_scale  # [N, out] · [N, 1] · [out]
+    y = acc.float().mul_(x_scale).mul_(weight_scale)  # [N, out] · [N, 1] · [out], in place: one new tensor
     if bias is not None:
-        y = y + bias.float()
+        y.add_(bias.float())
     return y.to(out_dtype)
 
 

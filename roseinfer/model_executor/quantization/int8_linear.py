@@ -1,7 +1,8 @@
 """The W8A8 linear layer the model runs, and its fast CPU path (the reference is int8.py).
 
     load time:  weight [out, K] int8 ── .t().contiguous() ──► weight_t [K, out] int8 (what torch._int_mm reads)
-    each step:  x [N, K] float ── scaled_int8_quant ──► x_q [N, K] int8, s_x
+    each step:  x [N, K] float ── quantize_activations ──► x_q [N, K] int8, s_x (per token: one C++ pass
+                                                            per row, csrc/int8_quant.cpp, where it is built)
                 x_q · weight_t ── torch._int_mm ──► [N, out] int32 (oneDNN's s8·s8 -> s32 GEMM on a CPU;
                                                     VNNI's vpdpbusd where the CPU has it)
                 s_x · acc · s_w (+ bias) ──► [N, out] in x's dtype
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from roseinfer.custom_ops import available as cpu_ops_available
 from roseinfer.model_executor.quantization.int8 import (
     int8_mm_reference,
     scaled_int8_quant,
@@ -31,13 +33,23 @@ def int8_mm(x_q: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
     return torch._int_mm(x_q, weight_t)
 
 
+def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`scaled_int8_quant`, with the dynamic per-token case on the C++ op on a CPU (bit-equal to it)."""
+    if input_scale is None and x.device.type == "cpu" and x.stride(-1) == 1 and cpu_ops_available():
+        x_q = torch.empty(x.shape, dtype=torch.int8)  # [N, K]
+        scale = torch.empty(x.shape[0], 1)  # [N, 1] fp32
+        torch.ops.roseinfer.dynamic_scaled_int8_quant(x_q, x, scale)
+        return x_q, scale
+    return scaled_int8_quant(x, input_scale)
+
+
 def w8a8_linear(x: torch.Tensor, weight_t: torch.Tensor, weight_scale: torch.Tensor,
                 input_scale: torch.Tensor | None = None,
                           bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """x [..., K] float -> [..., out]: the same math as `w8a8_linear_reference`, with the integer GEMM on
     torch._int_mm and weight_t = weightᵀ laid out once at load time."""
     lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])  # [N, K]
-    x_q, x_scale = scaled_int8_quant(rows, input_scale)
+    x_q, x_scale = quantize_activations(rows, input_scale)
     acc = int8_mm(x_q, weight_t)  # [N, out] int32
     return scaled_mm_epilogue(acc, x_scale, weight_scale, bias, x.dtype).reshape(*lead, -1)
 
