@@ -3,13 +3,16 @@
     load time:  weight [out, K] int8 ── .t().contiguous() ──► weight_t [K, out] int8 (what torch._int_mm reads)
     each step:  x [N, K] float ── quantize_activations ──► x_q [N, K] int8, s_x (per token: one C++ pass
                                                             per row, csrc/int8_quant.cpp, where it is built)
-                x_q · weight_t ── torch._int_mm ──► [N, out] int32 (oneDNN's s8·s8 -> s32 GEMM on a CPU;
-                                                    VNNI's vpdpbusd where the CPU has it)
+                x_q · weight_t ── torch._int_mm ──► [N, out] int32 (on a CPU, oneDNN's s8·s8 -> s32 gemm,
+                                                    ONEDNN_VERBOSE=1 shows it: gemm_api, ISA "AVX-512
+                                                    with Intel DL Boost", i.e. VNNI)
                 s_x · acc · s_w (+ bias) ──► [N, out] in x's dtype
 
 The integer product is exact, so this path equals `w8a8_linear_reference` up to the float epilogue (the
-tests check it). `torch._int_mm` exists on CPU and CUDA in torch 2.13; where it refuses a shape or device
-the layer falls back to the reference.
+tests check it). `torch._int_mm` exists on CPU and CUDA in torch 2.13; cuBLAS needs more than 16 rows, so
+smaller CUDA batches take the reference GEMM (the CUDA path is written, not run: no GPU here). oneDNN's gemm
+packs the weight on every call, as MKL's sgemm does for fp32 (onednn_linear.py); a weight packed once for
+an int8 primitive is the next step.
 """
 
 from __future__ import annotations
@@ -44,8 +47,7 @@ def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | None) -> t
 
 
 def w8a8_linear(x: torch.Tensor, weight_t: torch.Tensor, weight_scale: torch.Tensor,
-                input_scale: torch.Tensor | None = None,
-                          bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """x [..., K] float -> [..., out]: the same math as `w8a8_linear_reference`, with the integer GEMM on
     torch._int_mm and weight_t = weightᵀ laid out once at load time."""
     lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])  # [N, K]
