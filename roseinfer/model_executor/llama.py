@@ -37,6 +37,7 @@ from roseinfer.model_executor.layernorm import RMSNorm
 from roseinfer.model_executor.llama_config import LlamaConfig
 from roseinfer.model_executor.onednn_linear import pack_linear_layers, pack_weight, packed_linear
 from roseinfer.model_executor.parallel_layers import ColumnParallelLinear, RowParallelLinear
+from roseinfer.model_executor.quantization.compressed_tensors import use_int8_linears
 from roseinfer.model_executor.rotary_embedding import ApplyRotary, RotaryEmbedding
 
 KV = tuple[torch.Tensor, torch.Tensor]  # one layer's (K pool, V pool), each [num_blocks, block_size, Hkv, D]
@@ -131,6 +132,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.head_packed: torch.Tensor | None = None
+        if cfg.quantization is not None:  # a W8A8 checkpoint: the decoder's linears hold int8 weights
+            use_int8_linears(self.model, cfg.quantization, tp_size)
 
     def pack_for_onednn(self) -> None:
         """Reorder every linear layer's weight and the LM head's once for oneDNN (onednn_linear.py)."""
@@ -201,5 +204,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if any(p is None for p in parts):
                 raise ValueError(f"checkpoint: {module} has {proj}.{leaf} but not all of the projections fused with it")
-            out[target] = torch.cat(parts, dim=0).contiguous()
+            if leaf == "input_scale":  # static per-tensor scales of q, k, v (gate, up): one for the fused input
+                out[target] = torch.stack(parts).amax(dim=0)  # [1], the largest: no value of x clips
+            else:
+                out[target] = torch.cat(parts, dim=0).contiguous()  # weight, bias, weight_scale: by rows
         return out

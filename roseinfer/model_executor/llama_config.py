@@ -12,10 +12,12 @@ to the math, implemented or refused by name, never ignored.
                  sliding_window (Mistral; Qwen with use_sliding_window): kept, and the engine refuses a
                      window shorter than the context it runs (config.py), since it attends to everything
                  eos_token_id (one id or a list; generation_config.json's list wins, as in transformers)
+                 quantization_config: compressed-tensors W8A8 int8 only (quantization/compressed_tensors.py
+                     checks every field; any other method, format or scheme is refused there)
     ignored      dropout, initializer_range, use_cache, pad/bos ids, pretraining_tp (transformers ignores
                  it at inference too), max_window_layers without use_sliding_window, torch_dtype/dtype
     refused      hidden_act other than silu, other rope types, partial_rotary_factor != 1, layer_types
-                 with sliding layers, quantization_config, heads that do not divide, bad values
+                 with sliding layers, other quantization methods, heads that do not divide, bad values
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import math
 from dataclasses import dataclass, field
 
 from roseinfer.checks import is_int
+from roseinfer.model_executor.quantization.compressed_tensors import Int8QuantConfig, parse_quantization_config
 
 ARCHITECTURES = {  # config.json's `architectures[0]` -> its model_type and transformers' defaults
     "LlamaForCausalLM": ("llama", dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
@@ -64,6 +67,7 @@ class LlamaConfig:
     qk_norm: bool  # Qwen3: RMSNorm over each head of q and k, before the rotation
     sliding_window: int | None  # None: every token attends to its whole context
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)  # any of them ends a sequence
+    quantization: Int8QuantConfig | None = None  # None: float weights; else every decoder linear is W8A8 int8
 
     @property
     def eos_token_id(self) -> int | None:
@@ -81,8 +85,7 @@ class LlamaConfig:
         if hf.get("model_type", model_type) != model_type:
             raise ValueError(f"config.json: architectures={[arch]} but model_type={hf['model_type']!r} "
                              f"(expected {model_type!r})")  # fmt: skip
-        if "quantization_config" in hf:
-            raise ValueError("quantization_config: quantized checkpoints are not supported; use fp32/fp16/bf16 weights")
+        quant = parse_quantization_config(hf["quantization_config"]) if "quantization_config" in hf else None
         c = {**COMMON, **defaults, **hf}
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "max_position_embeddings"):  # fmt: skip
@@ -114,6 +117,7 @@ class LlamaConfig:
             o_bias=model_type in ("llama", "qwen3") and c["attention_bias"],
             mlp_bias=model_type == "llama" and c["mlp_bias"], qk_norm=model_type == "qwen3",
             sliding_window=_sliding_window(c, model_type), eos_token_ids=eos_token_ids(c.get("eos_token_id")),
+            quantization=quant,
         )  # fmt: skip
 
 

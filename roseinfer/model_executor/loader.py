@@ -11,6 +11,10 @@ import torch.nn as nn
 
 from roseinfer.model_executor.custom_op import set_custom_op_impl
 from roseinfer.model_executor.onednn_linear import resolve_linear_backend
+from roseinfer.model_executor.quantization.compressed_tensors import (
+    check_quantized_state_dict,
+    process_weights_after_loading,
+)
 from roseinfer.model_executor.registry import ModelConfigType, architecture_of, get_model_spec, model_class_of
 
 DEFAULT_MODEL = str(Path(__file__).parent.parent / "models" / "tiny-shakespeare")
@@ -103,7 +107,11 @@ def load_model(model_dir: Path, cfg: ModelConfigType, device: torch.device, dtyp
     the model's small ops (RMSNorm, RoPE, SiLU·up) run, "auto" | "native" | "compile" (custom_op.py)."""
     linear_backend = resolve_linear_backend(linear_backend, device, dtype)
     model_class = model_class_of(cfg)
-    ours = model_class.convert_state_dict(load_state_dict(model_dir), cfg, tp_rank, tp_size)
+    sd = load_state_dict(model_dir)
+    quant = getattr(cfg, "quantization", None)
+    if quant is not None:  # a W8A8 checkpoint: its int8 weights and their scales checked by name
+        sd = check_quantized_state_dict(sd, quant)
+    ours = model_class.convert_state_dict(sd, cfg, tp_rank, tp_size)
     net = model_class(cfg, tp_size)
     expected = net.state_dict()
     wrong = [f"{n} {tuple(w.shape)} (expected {tuple(expected[n].shape)})"
@@ -115,6 +123,8 @@ def load_model(model_dir: Path, cfg: ModelConfigType, device: torch.device, dtyp
         raise ValueError(f"checkpoint in {str(model_dir)!r} does not fit {model_class.__name__}: "
                          f"missing={missing} unexpected={unexpected}")  # fmt: skip
     net = net.to(device=device, dtype=dtype).eval()
+    if quant is not None:
+        process_weights_after_loading(net)
     if linear_backend == "onednn":
         net.pack_for_onednn()
     set_custom_op_impl(net, custom_ops)

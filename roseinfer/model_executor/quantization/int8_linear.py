@@ -1,0 +1,91 @@
+"""The W8A8 linear layer the model runs, and its fast CPU path (the reference is int8.py).
+
+    load time:  weight [out, K] int8 ── .t().contiguous() ──► weight_t [K, out] int8 (what torch._int_mm reads)
+    each step:  x [N, K] float ── quantize_activations ──► x_q [N, K] int8, s_x (per token: one C++ pass
+                                                            per row, csrc/int8_quant.cpp, where it is built)
+                x_q · weight_t ── torch._int_mm ──► [N, out] int32 (on a CPU, oneDNN's s8·s8 -> s32 gemm,
+                                                    ONEDNN_VERBOSE=1 shows it: gemm_api, ISA "AVX-512
+                                                    with Intel DL Boost", i.e. VNNI)
+                s_x · acc · s_w (+ bias) ──► [N, out] in x's dtype
+
+The integer product is exact, so this path equals `w8a8_linear_reference` up to the float epilogue (the
+tests check it). `torch._int_mm` exists on CPU and CUDA in torch 2.13; cuBLAS needs more than 16 rows, so
+smaller CUDA batches take the reference GEMM (the CUDA path is written, not run: no GPU here). oneDNN's gemm
+packs the weight on every call, as MKL's sgemm does for fp32 (onednn_linear.py); a weight packed once for
+an int8 primitive is the next step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from roseinfer.custom_ops import available as cpu_ops_available
+from roseinfer.model_executor.quantization.int8 import (
+    int8_mm_reference,
+    scaled_int8_quant,
+    scaled_mm_epilogue,
+    w8a8_linear_reference,
+)
+
+
+def int8_mm(x_q: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+    """x_q [N, K] int8 · weight_t [K, out] int8 -> [N, out] int32, through torch._int_mm."""
+    if x_q.device.type == "cuda" and x_q.shape[0] <= 16:  # cuBLAS' int8 GEMM needs more than 16 rows
+        return int8_mm_reference(x_q, weight_t.t())
+    return torch._int_mm(x_q, weight_t)
+
+
+def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`scaled_int8_quant`, with the dynamic per-token case on the C++ op on a CPU (bit-equal to it)."""
+    if input_scale is None and x.device.type == "cpu" and x.stride(-1) == 1 and cpu_ops_available():
+        x_q = torch.empty(x.shape, dtype=torch.int8)  # [N, K]
+        scale = torch.empty(x.shape[0], 1)  # [N, 1] fp32
+        torch.ops.roseinfer.dynamic_scaled_int8_quant(x_q, x, scale)
+        return x_q, scale
+    return scaled_int8_quant(x, input_scale)
+
+
+def w8a8_linear(x: torch.Tensor, weight_t: torch.Tensor, weight_scale: torch.Tensor,
+                input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """x [..., K] float -> [..., out]: the same math as `w8a8_linear_reference`, with the integer GEMM on
+    torch._int_mm and weight_t = weightᵀ laid out once at load time."""
+    lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])  # [N, K]
+    x_q, x_scale = quantize_activations(rows, input_scale)
+    acc = int8_mm(x_q, weight_t)  # [N, out] int32
+    return scaled_mm_epilogue(acc, x_scale, weight_scale, bias, x.dtype).reshape(*lead, -1)
+
+
+class Int8Linear(nn.Module):
+    """y = x Wᵀ + b with W stored as int8 + a per-output-channel scale (compressed-tensors' W8A8 int8 scheme;
+    vLLM's CompressedTensorsW8A8Int8). Its state dict holds the checkpoint's tensors as they are saved:
+    `weight` [out, in] int8, `weight_scale` [out, 1], and `input_scale` [1] when activations are static."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, static_input: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=torch.int8), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.ones(out_features, 1), requires_grad=False)  # [out, 1] fp32
+        self.input_scale = nn.Parameter(torch.ones(1), requires_grad=False) if static_input else None
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.weight_t: torch.Tensor | None = None  # [in, out] int8, made by process_weights_after_loading
+        self.use_reference = False  # True: the plain-PyTorch reference (int8.py) instead of torch._int_mm
+
+    def _apply(self, fn, recurse=True):
+        """`.to(dtype)` casts the model's float tensors; the int8 weight and the fp32 scales keep theirs."""
+        keep = {n: p.data for n, p in self.named_parameters(recurse=False) if n != "bias"}
+        super()._apply(fn, recurse)
+        for name, old in keep.items():
+            p = getattr(self, name)
+            p.data = old.to(p.device)
+        return self
+
+    def process_weights_after_loading(self) -> None:
+        """Lay the weight out as torch._int_mm reads it (vLLM's name for this load-time step)."""
+        self.weight_t = self.weight.data.t().contiguous()  # [in, out]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.weight_scale.reshape(-1)  # [out]
+        if self.use_reference or self.weight_t is None:
+            return w8a8_linear_reference(x, self.weight, scale, self.input_scale, self.bias)
+        return w8a8_linear(x, self.weight_t, scale, self.input_scale, self.bias)

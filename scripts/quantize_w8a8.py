@@ -1,0 +1,11 @@
+"""Write a compressed-tensors W8A8 int8 copy of a Llama-family checkpoint: `python scripts/quantize_w8a8.py --help`.
+
+The implementation is tools/models/quantize_w8a8.py.
+"""
+
+import sys
+
+from tools.models.quantize_w8a8 import main
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

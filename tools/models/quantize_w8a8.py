@@ -1,0 +1,118 @@
+"""Write a compressed-tensors W8A8 int8 copy of a Llama-family checkpoint (fp32, fp16 or bf16).
+
+    python scripts/quantize_w8a8.py MODEL_DIR OUT_DIR [--static]
+
+Every linear layer of the decoder (q/k/v/o_proj, gate/up/down_proj) becomes `weight` int8 [out, in] +
+`weight_scale` fp32 [out, 1], rounded to nearest per output channel (int8.py's `quantize_weight`); the
+embeddings, norms and head are copied as they are, and the head is listed in `ignore`. Activations are
+quantized at run time, per token (`dynamic`), or with `--static` by one `input_scale` per layer, measured
+here as max|x| / 127 over a calibration text run through the float model. config.json gets the
+`quantization_config` that llm-compressor writes for this scheme, so the directory loads in roseinfer and in
+vLLM. Tokenizer and generation files are copied. Round-to-nearest with no calibration of the weights is the
+simplest method there is (llm-compressor's SmoothQuant/GPTQ recipes lose less accuracy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from roseinfer.model_executor.loader import load_state_dict
+from roseinfer.model_executor.quantization.compressed_tensors import QUANTIZED_PROJS
+from roseinfer.model_executor.quantization.int8 import INT8_MAX, quantize_weight
+
+COPIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.tiktoken", "vocab.json",
+          "merges.txt", "special_tokens_map.json", "chat_template.jinja", "tokenizer.model")  # fmt: skip
+CALIBRATION = ("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings "
+               "and arrows of outrageous fortune, or to take arms against a sea of troubles.")  # fmt: skip
+
+
+def quantization_config(static: bool) -> dict:
+    """config.json's `quantization_config` for W8A8 int8, as llm-compressor writes it."""
+    act = dict(num_bits=8, type="int", symmetric=True, group_size=None, strategy="tensor" if static else "token",
+               dynamic=not static, actorder=None, block_structure=None, observer="minmax" if static else None,
+               observer_kwargs={})  # fmt: skip
+    weights = dict(num_bits=8, type="int", symmetric=True, group_size=None, strategy="channel", dynamic=False,
+                   actorder=None, block_structure=None, observer="minmax", observer_kwargs={})  # fmt: skip
+    return dict(quant_method="compressed-tensors", format="int-quantized", quantization_status="compressed",
+                config_groups={"group_0": dict(targets=["Linear"], weights=weights, input_activations=act,
+                                               output_activations=None, format="int-quantized")},
+                ignore=["lm_head"], kv_cache_scheme=None, sparsity_config={}, version="0.17.0")  # fmt: skip
+
+
+def is_quantized(name: str) -> bool:
+    prefix, _, leaf = name.rpartition(".")
+    return leaf == "weight" and ".layers." in name and prefix.rpartition(".")[2] in QUANTIZED_PROJS
+
+
+def input_scales(model_dir: Path, text: str) -> dict[str, torch.Tensor]:
+    """Run the float model (roseinfer's dense forward) over `text`; for every decoder linear, the scale
+    max|x| / 127 of its input, under the checkpoint's names (q, k and v share qkv_proj's input)."""
+    from roseinfer.model_executor.loader import load_model, read_model_config
+    from roseinfer.tokenizer.tokenizer import Tokenizer
+
+    cfg = read_model_config(model_dir)
+    model = load_model(model_dir, cfg, torch.device("cpu"), torch.float32, linear_backend="aten")
+    tok = Tokenizer.from_model_dir(model_dir)  # the model's own tokenizer, whichever kind it is
+    ids = torch.tensor([tok.encode(text)[: cfg.max_position_embeddings]])  # [1, T]
+    amax: dict[str, torch.Tensor] = {}
+    hooks = [m.register_forward_hook(lambda m, args, out, n=n: amax.__setitem__(n, args[0].abs().amax()))
+             for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]  # fmt: skip
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    scales = {}
+    for name, a in amax.items():
+        module, _, proj = name.rpartition(".")
+        for p in fused.get(proj, (proj,)):
+            scales[f"{module}.{p}.input_scale"] = (a.clamp(min=1e-8) / INT8_MAX).reshape(1).float()  # [1]
+    return scales
+
+
+def quantize_checkpoint(model_dir: Path, out_dir: Path, static: bool = False, text: str = CALIBRATION) -> int:
+    """Write the W8A8 copy of `model_dir` into `out_dir`; returns how many linear layers were quantized."""
+    from safetensors.torch import save_file
+
+    hf = json.loads((model_dir / "config.json").read_text())
+    if "quantization_config" in hf:
+        raise ValueError(f"{str(model_dir)!r} is already quantized ({hf['quantization_config'].get('quant_method')})")
+    sd = load_state_dict(model_dir)
+    out: dict[str, torch.Tensor] = {}
+    n = 0
+    for name, w in sd.items():
+        if is_quantized(name):
+            w_q, scale = quantize_weight(w)
+            out[name], out[name[: -len("weight")] + "weight_scale"] = w_q, scale[:, None].contiguous()  # [out, 1]
+            n += 1
+        else:
+            out[name] = w.contiguous()
+    if static:
+        out.update(input_scales(model_dir, text))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(out, out_dir / "model.safetensors", metadata={"format": "pt"})
+    hf["quantization_config"] = quantization_config(static)
+    (out_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    for f in COPIED:
+        if (model_dir / f).exists():
+            shutil.copy(model_dir / f, out_dir / f)
+    return n
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model_dir", type=Path, help="a Llama-family checkpoint directory (fp32, fp16 or bf16)")
+    ap.add_argument("out_dir", type=Path, help="where to write the W8A8 int8 copy")
+    ap.add_argument("--static", action="store_true", help="static per-tensor input scales from a calibration text")
+    ap.add_argument("--calibration-text", type=Path, help="a text file for --static (default: a built-in line)")
+    args = ap.parse_args(argv)
+    text = args.calibration_text.read_text() if args.calibration_text else CALIBRATION
+    n = quantize_checkpoint(args.model_dir, args.out_dir, args.static, text)
+    kind = "static" if args.static else "dynamic"
+    print(f"{n} linear layers quantized to int8 ({kind} activations) -> {args.out_dir}")
+    return 0
