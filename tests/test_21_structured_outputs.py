@@ -283,6 +283,17 @@ def test_a_grammar_that_ends_finishes_the_request_even_with_ignore_eos(gpt2):
 # ---- compiling off the step loop -----------------------------------------------------------------------------
 
 
+def add_compiling_to(eng, request_id: str, compiled: Future) -> None:
+    """Add a date-regex request whose grammar is `compiled` (a Future the test finishes or fails)."""
+    backend = core(eng).structured_output_manager.backend
+    compile_async = backend.compile_async
+    backend.compile_async = lambda key: compiled
+    try:
+        eng.add_request(request_id, "ROMEO:", params(StructuredOutputsParams(regex=DATE)))
+    finally:
+        backend.compile_async = compile_async
+
+
 def test_a_request_waits_for_its_grammar_while_the_others_run(make_engine):
     eng = make_engine()
     backend_core = core(eng)
@@ -290,12 +301,7 @@ def test_a_request_waits_for_its_grammar_while_the_others_run(make_engine):
     run_all(eng)
     backend = backend_core.structured_output_manager.backend
     pending: Future = Future()
-    compile_async = backend.compile_async
-    backend.compile_async = lambda key: pending  # a compile that takes a while
-    try:
-        eng.add_request("slow", "ROMEO:", params(StructuredOutputsParams(regex=DATE)))
-    finally:
-        backend.compile_async = compile_async
+    add_compiling_to(eng, "slow", pending)  # a compile that takes a while
     eng.add_request("plain", "JULIET:", SamplingParams(temperature=0, max_tokens=4))
     done = {}
     for _ in range(6):
@@ -316,15 +322,9 @@ def test_a_grammar_that_fails_to_compile_fails_its_request_alone(make_engine):
     eng = make_engine()
     eng.add_request("warm", "ROMEO:", params(StructuredOutputsParams(choice=CHOICES)))
     run_all(eng)
-    backend = core(eng).structured_output_manager.backend
     broken: Future = Future()
     broken.set_exception(RuntimeError("out of memory while compiling"))
-    compile_async = backend.compile_async
-    backend.compile_async = lambda key: broken
-    try:
-        eng.add_request("broken", "ROMEO:", params(StructuredOutputsParams(regex=DATE)))
-    finally:
-        backend.compile_async = compile_async
+    add_compiling_to(eng, "broken", broken)
     eng.add_request("plain", "JULIET:", SamplingParams(temperature=0, max_tokens=4))
     done = {}
     while eng.has_unfinished_requests():
