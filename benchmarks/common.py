@@ -1,5 +1,6 @@
 """What the benchmarks, tools and tests share: a free port, a server started and waited for until it is healthy,
-the loop that steps an engine until its requests are done, percentiles, and the checkout's git commit.
+the loop that steps an engine until its requests are done, percentiles, a call's median time, and the checkout's
+git commit.
 
     from benchmarks.common import REPO, drain, finished_tokens, free_port, git, percentile, start_server, wait_healthy
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import statistics
 import subprocess
 import time
 from collections.abc import Callable, Iterable
@@ -91,6 +93,18 @@ def finished_tokens(engine) -> dict[str, list[int]]:
 
     drain(engine, keep)
     return tokens
+
+
+def median_seconds(fn: Callable[[], object], calls: int, warmup: int) -> float:
+    """The median wall time of `calls` calls of `fn`, after `warmup` untimed ones (a kernel's micro-benchmark)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
 def percentile(sorted_values: list[float], q: float) -> float:

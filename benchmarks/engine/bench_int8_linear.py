@@ -12,12 +12,11 @@ without the quantization of x and the epilogue). Ratios are against fp32 oneDNN,
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.common import median_seconds
 from roseinfer.model_executor.onednn_linear import pack_weight, packed_linear
 from roseinfer.model_executor.quantization.int8 import quantize_weight, scaled_int8_quant, w8a8_linear_reference
 from roseinfer.model_executor.quantization.int8_linear import w8a8_linear
@@ -26,14 +25,7 @@ SHAPES = {"qkv_proj": (576, 960), "o_proj": (576, 576), "gate_up_proj": (576, 30
 
 
 def median_us(fn, repeat: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+    return median_seconds(fn, repeat, warmup=3) * 1e6
 
 
 def measure(x, w, packed, w_q, w_s, w_t, repeat: int) -> dict[str, float]:

@@ -12,23 +12,15 @@ after 5 warm-up calls; all three are checked equal first.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
+from benchmarks.common import median_seconds
 from roseinfer.sample.grammar_bitmask import apply_token_bitmask, apply_token_bitmask_reference
 
 
 def median_ms(fn, calls: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+    return median_seconds(fn, calls, warmup=5) * 1e3
 
 
 def masks(kind: str, rows: int, vocab: int, g: torch.Generator) -> torch.Tensor:

@@ -87,7 +87,7 @@ class EngineCore:
         outputs = failed + self.scheduler.update_from_output(scheduler_output, runner_output)
         if runner_output.candidates:  # groups whose next tokens are chosen here may have reported theirs
             outputs = self._choose(outputs)
-        if self.structured_output_manager.backend is not None:  # the sampled tokens move the grammars on
+        if self.structured_output_manager.constrained:  # the sampled tokens move the grammars on
             ended, refused = self.structured_output_manager.accept_outputs(self.scheduler.requests, outputs)
             if ended:  # a grammar that reached its end finishes its request, as a stop token would
                 self.scheduler.finish_requests(ended, "stop")

@@ -35,6 +35,7 @@ class StructuredOutputManager:
         self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
         self.backend: XgrammarBackend | None = None  # made at the first constrained request (reads the vocabulary)
         self.compiling: dict[str, Request] = {}  # requests whose grammar is not ready yet
+        self.constrained: dict[str, Request] = {}  # the live constrained sequences: a step without any costs nothing
         self._bitmask = None  # [max rows, ceil(V/32)] int32, reused every step
 
     def grammar_init(self, request: Request) -> None:
@@ -48,6 +49,7 @@ class StructuredOutputManager:
         stop = sorted(request.eos_token_ids | request.stop_token_ids)
         sor = StructuredOutputRequest(key, self.backend.compile_async(key), stop, self.num_speculative_tokens)
         request.structured_output_request = sor
+        self.constrained[request.request_id] = request
         if not sor.is_ready:
             self.compiling[request.request_id] = request
 
@@ -82,15 +84,22 @@ class StructuredOutputManager:
         """Fill `scheduler_output.grammar_bitmask` with the rows of the step's constrained requests, and
         `structured_output_request_ids` with each one's first row. A request verifying k drafts gets k + 1 rows;
         a sequence forked to sample now (n > 1) gets its own row."""
-        if self.backend is None:
+        if not self.constrained:
             return
-        ids = [*scheduler_output.num_scheduled_tokens, *(f.child_id for f in scheduler_output.forks if f.sample_now)]
+        live = self.constrained
+        for rid in [rid for rid, req in live.items() if req.finished]:
+            del live[rid]
+        sampling_children = set()
+        for f in scheduler_output.forks:  # n > 1: the sequences forked from a constrained one have their matcher
+            if f.sample_now and f.parent_id in live and (child := requests.get(f.child_id)) is not None:
+                live[f.child_id] = child
+                sampling_children.add(f.child_id)
+        scheduled = scheduler_output.num_scheduled_tokens
         drafts = scheduler_output.scheduled_spec_decode_tokens
-        constrained = []
-        for rid in ids:
-            req = requests.get(rid)
-            if req is not None and req.structured_output_request is not None and req.structured_output_request.is_ready:
-                constrained.append((rid, req.structured_output_request.grammar))
+        now = [req for rid, req in live.items() if rid in scheduled or rid in sampling_children]  # in this step
+        constrained = [
+            (r.request_id, r.structured_output_request.grammar) for r in now if r.structured_output_request.is_ready
+        ]
         if not constrained:
             return
         rows = len(constrained) + sum(len(drafts.get(rid, ())) for rid, _ in constrained)
@@ -113,9 +122,13 @@ class StructuredOutputManager:
         """Move each constrained sequence's matcher on by its new tokens. Returns (sequences whose grammar has just
         ended while they had not: they finish "stop"; request id -> error for a token the grammar refused)."""
         ended, refused = [], {}
+        if not self.constrained:
+            return ended, refused
         for o in outputs:
+            if o.request_id not in self.constrained:
+                continue
             req = requests.get(o.request_id)
-            if req is None or req.structured_output_request is None or not o.new_token_ids:
+            if req is None or not o.new_token_ids:  # (gone: it finished in this step)
                 continue
             grammar = req.structured_output_request.grammar
             if grammar is None:
