@@ -4,7 +4,7 @@
     LLMEngine(model, ...)            ─┼─► EngineArgs (the flat keyword arguments, vLLM's names)
     roseinfer serve --max-num-seqs 8 ─┘        │  create_engine_config(): every check, config.json read
                                                ▼
-    EngineConfig ─ model_config      model directory, its config (registry.py), device, dtype, backends, context
+    EngineConfig ─ model_config      model directory, its config (registry.py), device, dtypes, backends, context
                  ─ cache_config      block size, KV pool size (blocks or bytes), prefix caching, swap space
                  ─ scheduler_config  sequences and tokens per step, chunked prefill, preemption
                  ─ parallel_config   tensor-parallel ranks
@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from roseinfer.attention import resolve_backend_name
+from roseinfer.attention.fp8_kv import pick_kv_cache_dtype
 from roseinfer.checks import check_bool, check_int, check_number, is_int
 from roseinfer.model_executor.custom_op import check_impl
 from roseinfer.model_executor.onednn_linear import LINEAR_BACKENDS, resolve_linear_backend
@@ -102,9 +103,11 @@ class ModelConfig:
     linear_backend: str = "aten"  # "onednn" | "aten" (never "auto": decided for the device and dtype)
     max_model_len: int = 0  # the context the engine serves: the model's, or less (0: the model's)
     custom_ops: str = "auto"  # "auto" | "native" | "compile": how the layers' small ops run (custom_op.py)
+    kv_cache_dtype: torch.dtype | None = None  # the KV pool's: None = dtype; float8_e4m3fn for "fp8" (fp8_kv.py)
 
     def __post_init__(self) -> None:
         self.max_model_len = self.max_model_len or self.hf_config.max_position_embeddings
+        self.kv_cache_dtype = self.kv_cache_dtype or self.dtype
 
     @property
     def vocab_size(self) -> int:
@@ -120,10 +123,10 @@ class ModelConfig:
         return self.hf_config.eos_token_ids
 
     def kv_bytes_per_token(self, tp_size: int = 1) -> int:
-        """K and V, every layer: 2 · layers · K/V heads · head_dim · bytes per element; on each of `tp_size`
-        ranks, / tp_size. Grouped-query attention stores num_key_value_heads heads, not num_attention_heads."""
+        """K and V, every layer: 2 · layers · K/V heads · head_dim · bytes per element of the pool (1 for an fp8
+        cache); on each of `tp_size` ranks, / tp_size. Grouped-query attention stores num_key_value_heads heads."""
         c = self.hf_config
-        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.dtype.itemsize // tp_size
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.kv_cache_dtype.itemsize // tp_size
 
 
 @dataclass
@@ -184,6 +187,7 @@ class EngineArgs:
     device: str | torch.device = _arg("auto", "'auto' (CUDA if there is one), 'cpu', 'cuda' or 'cuda:N'")
     dtype: str | torch.dtype | None = _arg(None, "float32 | float16 | bfloat16 (default: fp32 on CPU, fp16 on CUDA)")
     block_size: int = _arg(16, "tokens per KV block")
+    kv_cache_dtype: str = _arg("auto", "the KV cache's: 'auto' (the model's dtype) or 'fp8' (e4m3, 1 byte an element)")
     num_blocks: int | None = _arg(None, "KV blocks in the pool (default: from kv_cache_memory)")
     kv_cache_memory: int | None = _arg(None, "bytes for the KV pool (CPU default 256 MiB)")
     gpu_memory_utilization: float = _arg(0.9, "CUDA: the share of the card the weights and the KV pool may take")
@@ -236,7 +240,7 @@ class EngineArgs:
             raise ValueError(f"swap_space={self.swap_space} GiB is more than the host's {host / 2**30:.1f} GiB of "
                              "memory")  # fmt: skip
         device = pick_device(self.device)
-        dtype = pick_dtype(self.dtype, device)
+        dtype, kv = pick_dtype(self.dtype, device), pick_kv_cache_dtype(self.kv_cache_dtype)  # kv None: dtype's
         backend = resolve_backend_name(self.attention_backend, device)
         linear_backend = resolve_linear_backend(self.linear_backend, device, dtype)
         tp = check_tensor_parallel(self.tensor_parallel_size, device)
@@ -245,7 +249,7 @@ class EngineArgs:
         model_dir = resolve_model_dir(self.model)
         hf = read_model_config(model_dir)
         max_len = check_max_model_len(self.max_model_len, hf)
-        model_config = ModelConfig(model_dir, hf, device, dtype, backend, linear_backend, max_len, self.custom_ops)
+        model_config = ModelConfig(model_dir, hf, device, dtype, backend, linear_backend, max_len, self.custom_ops, kv)
         check_tensor_parallel_shapes(hf.num_attention_heads, hf.num_key_value_heads, hf.intermediate_size, tp)
         bytes_per_token = model_config.kv_bytes_per_token(tp)
         check_kv_pool(self.block_size, self.num_blocks, self.kv_cache_memory, max_len, bytes_per_token, device)
@@ -280,11 +284,7 @@ class EngineArgs:
                 parser.add_argument(name, dest=f.name, action="store_false" if default else "store_true",
                                     help=meta["help"])  # fmt: skip
                 continue
-            kind = meta.pop("type", None) or {"block_size": int, "num_blocks": int, "kv_cache_memory": int,
-                                               "gpu_memory_utilization": float, "max_num_seqs": int,
-                                               "max_num_batched_tokens": int, "watermark": float, "swap_space": float,
-                                               "tensor_parallel_size": int,
-                                               "max_model_len": int}.get(f.name, str)  # fmt: skip
+            kind = meta.pop("type", None) or {"int": int, "float": float}.get(f.type.split(" |")[0], str)  # annotation
             parser.add_argument(flag, type=kind, default=default, **meta)
 
     @classmethod

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from roseinfer.attention.fp8_kv import dequantize, write_slots
 from roseinfer.attention.reference import kv_groups
 
 if TYPE_CHECKING:
@@ -82,10 +83,9 @@ def write_kv_flat(
     slot_mapping: torch.Tensor,  # [N] int64, every slot real (this engine never pads)
 ) -> None:
     """Scatter new K/V into the pool: one `index_copy_` per tensor into its flat view
-    [num_blocks * block_size, Hkv, D], where row `slot` is exactly that slot."""
-    Hkv, D = key.shape[1:]
-    k_cache.view(-1, Hkv, D).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, Hkv, D).index_copy_(0, slot_mapping, value)
+    [num_blocks * block_size, Hkv, D], where row `slot` is exactly that slot (an fp8 pool: fp8_kv.py)."""
+    write_slots(k_cache, slot_mapping, key)
+    write_slots(v_cache, slot_mapping, value)
 
 
 @dataclass
@@ -171,8 +171,8 @@ def _attend_run(q, k_cache, v_cache, run: DecodeRun, scale: float, buffer: Gathe
     k_blocks, v_blocks = (buffer or GatherBuffer()).get(len(run.blocks), k_cache)  # [rows * width, bs, Hkv, D]
     torch.index_select(k_cache, 0, run.blocks, out=k_blocks)  # block by block, in logical order
     torch.index_select(v_cache, 0, run.blocks, out=v_blocks)
-    k = k_blocks.view(B, L, Hkv, D).transpose(1, 2)  # [B, Hkv, L, D], a view
-    v = v_blocks.view(B, L, Hkv, D).transpose(1, 2)
+    k = dequantize(k_blocks, q.dtype).view(B, L, Hkv, D).transpose(1, 2)  # [B, Hkv, L, D], a view (fp8: a copy)
+    v = dequantize(v_blocks, q.dtype).view(B, L, Hkv, D).transpose(1, 2)
     q_groups = q.unflatten(1, (Hkv, kv_groups(H, k_cache)))  # [B, Hkv, G, D], a view
     out = F.scaled_dot_product_attention(q_groups, k, v, attn_mask=run.real, scale=scale)  # [B, Hkv, G, D]
     return out.flatten(1, 2)  # [B, H, D]
@@ -193,8 +193,8 @@ def attend_cascade(q, k_cache, v_cache, plan: SdpaPlan, scale: float, buffer: Ga
     B, H, D = q.shape
     Hkv = k_cache.shape[2]
     G = kv_groups(H, k_cache)
-    k_p = k_cache.index_select(0, plan.prefix_blocks).flatten(0, 1).transpose(0, 1)  # [Hkv, Lp, D]: the prefix, once
-    v_p = v_cache.index_select(0, plan.prefix_blocks).flatten(0, 1).transpose(0, 1)
+    k_p = dequantize(k_cache.index_select(0, plan.prefix_blocks), q.dtype).flatten(0, 1).transpose(0, 1)  # [Hkv, Lp, D]
+    v_p = dequantize(v_cache.index_select(0, plan.prefix_blocks), q.dtype).flatten(0, 1).transpose(0, 1)
     # all B queries (B * G per K/V head) against the prefix, as one sequence with no mask (every prefix token is
     # visible): row b * G + g of K/V head j is query head j * G + g of row b
     q_p = q.unflatten(1, (Hkv, G)).transpose(0, 1).reshape(Hkv, B * G, D)  # [Hkv, B * G, D]
@@ -207,8 +207,8 @@ def attend_cascade(q, k_cache, v_cache, plan: SdpaPlan, scale: float, buffer: Ga
         k_blocks, v_blocks = (buffer or GatherBuffer()).get(len(run.blocks), k_cache)
         torch.index_select(k_cache, 0, run.blocks, out=k_blocks)
         torch.index_select(v_cache, 0, run.blocks, out=v_blocks)
-        k = k_blocks.view(rows, L, Hkv, D).transpose(1, 2)  # [rows, Hkv, L, D]
-        v = v_blocks.view(rows, L, Hkv, D).transpose(1, 2)
+        k = dequantize(k_blocks, q.dtype).view(rows, L, Hkv, D).transpose(1, 2)  # [rows, Hkv, L, D]
+        v = dequantize(v_blocks, q.dtype).view(rows, L, Hkv, D).transpose(1, 2)
         bias = torch.zeros(run.real.shape, dtype=q.dtype, device=q.device).masked_fill(~run.real, float("-inf"))
         q_o = q[run.a : run.b].unflatten(1, (Hkv, G))  # [rows, Hkv, G, D]
         o_o, lse_o = _flash_with_lse(q_o, k, v, bias, scale)  # [rows, Hkv, G, D], [rows, Hkv, G]
@@ -313,8 +313,8 @@ def _attend_chunk(q, key, value, k_cache, v_cache, c: PrefillChunk, scale: float
         y = F.scaled_dot_product_attention(q.transpose(0, 1), k_c, v_c, is_causal=True, scale=scale)  # [H, T, D]
         return y.transpose(0, 1)  # [T, H, D]
     # a later chunk: its whole context, gathered from the pool
-    k_c = k_cache.index_select(0, c.blocks).flatten(0, 1)[: c.seq_len].transpose(0, 1)  # [Hkv, L, D]
-    v_c = v_cache.index_select(0, c.blocks).flatten(0, 1)[: c.seq_len].transpose(0, 1)
+    k_c = dequantize(k_cache.index_select(0, c.blocks), q.dtype).flatten(0, 1)[: c.seq_len].transpose(0, 1)  # [Hkv,L,D]
+    v_c = dequantize(v_cache.index_select(0, c.blocks), q.dtype).flatten(0, 1)[: c.seq_len].transpose(0, 1)
     if G == 1:
         y = F.scaled_dot_product_attention(q.transpose(0, 1), k_c, v_c, attn_mask=c.causal, scale=scale)  # [H, T, D]
         return y.transpose(0, 1)  # [T, H, D]

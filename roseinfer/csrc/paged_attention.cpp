@@ -15,8 +15,10 @@
 //
 // and the output row is acc / l. A decode with few (sequence, K/V head) pairs for the threads splits each
 // sequence into chunks of kSplit tokens, items of their own, and merges their (acc, m, l) by log-sum-exp.
-// fp16/bf16 pools are converted to fp32 as they are loaded; every sum is fp32.
+// fp16/bf16 pools are converted to fp32 as they are loaded; so are fp8 (e4m3) pools, whatever q's dtype
+// (kv_cache_dtype="fp8", roseinfer/attention/fp8_kv.py); every sum is fp32.
 #include <ATen/ATen.h>
+#include <c10/util/Float8_e4m3fn.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define CPU_CAPABILITY_AVX512  // at::vec's 512-bit Vectorized (16 floats) on this -march=native build
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -42,8 +44,28 @@ constexpr int64_t kMaxD = 512;      // head sizes up to this: a K or V row is kM
 constexpr int64_t kRows = 32;       // query rows per prefill item (tokens x G heads)
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
+using Fp8 = c10::Float8_e4m3fn;
+
+#if defined(CPU_CAPABILITY_AVX512)
+// 16 e4m3 bytes -> 16 floats: the 7 bits after the sign, moved up by 20, are a float with e4m3's exponent field
+// and mantissa at the top of fp32's mantissa; times 2^(127 - 7) rebias the exponent, which also makes e4m3's
+// subnormals (exponent 0) exact. Then the sign. (0x7F, e4m3's NaN, reads as 480: writes saturate, never NaN.)
+inline Vec load_fp8(const Fp8* p, int64_t n) {
+  const __m128i bytes = n == N ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))
+                               : _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << n) - 1), p);
+  const __m512i x = _mm512_cvtepu8_epi32(bytes);  // [16] int32, one byte each
+  const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x7F)), 20);
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
+  const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(0x1p120f));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
+}
+#endif
+
 template <typename T>  // n <= N elements of a K/V/q row as fp32, zeros after them
 inline Vec load(const T* p, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, Fp8>) return load_fp8(p, n);
+#endif
   if constexpr (std::is_same_v<T, float>) {
     return n == N ? Vec::loadu(p) : Vec::loadu(p, n);
   } else {
@@ -222,8 +244,8 @@ inline void store_row(T* out, const Rows& rows, int64_t r) {
   for (int64_t d = 0; d < rows.D; ++d) out[d] = static_cast<T>(rows.acc[r * rows.Dv + d] * inv);
 }
 
-template <typename T, typename I>
-void decode(const T* q, const T* k, const T* v, const I* tables, const I* lens, T* out, int64_t B, int64_t H,
+template <typename T, typename P, typename I>  // T: q and out; P: the pools' elements (T, or Fp8)
+void decode(const T* q, const P* k, const P* v, const I* tables, const I* lens, T* out, int64_t B, int64_t H,
             int64_t Hkv, int64_t D, int64_t block_size, int64_t width, float scale) {
   const int64_t G = H / Hkv;
   int64_t max_len = 0;
@@ -239,7 +261,7 @@ void decode(const T* q, const T* k, const T* v, const I* tables, const I* lens, 
       Rows rows = scratch(G, D);
       std::fill(rows.limit, rows.limit + G, n);  // a decode sees every token
       load_q<T>(rows, scale, [&](int64_t g) { return q + ((b * H) + j * G + g) * D; });  // [G, D]
-      KV<T, I> kv{k + j * D, v + j * D, tables + b * width, block_size, Hkv * D};
+      KV<P, I> kv{k + j * D, v + j * D, tables + b * width, block_size, Hkv * D};
       if (t0 < t1) run_attend(kv, rows, t0, t1);
       for (int64_t g = 0; g < G; ++g) {
         if (!split) {
@@ -274,8 +296,8 @@ void decode(const T* q, const T* k, const T* v, const I* tables, const I* lens, 
   });
 }
 
-template <typename T, typename I>
-void prefill(const T* q, const T* k, const T* v, const I* table, T* out, int64_t Tq, int64_t H, int64_t Hkv,
+template <typename T, typename P, typename I>
+void prefill(const T* q, const P* k, const P* v, const I* table, T* out, int64_t Tq, int64_t H, int64_t Hkv,
              int64_t D, int64_t block_size, int64_t seq_len, float scale) {
   const int64_t G = H / Hkv, ctx = seq_len - Tq;  // query token i sits at position ctx + i
   const int64_t per = std::max<int64_t>(1, kRows / G), tiles = (Tq + per - 1) / per;  // query tokens per item
@@ -290,7 +312,7 @@ void prefill(const T* q, const T* k, const T* v, const I* table, T* out, int64_t
       for (int64_t r = 0; r < rows.R; ++r) rows.limit[r] = ctx + i0 + r / G + 1;  // keys 0 .. its own position
       auto row = [&](int64_t r) { return ((i0 + r / G) * H + j * G + r % G) * D; };
       load_q<T>(rows, scale, [&](int64_t r) { return q + row(r); });
-      KV<T, I> kv{k + j * D, v + j * D, table, block_size, Hkv * D};
+      KV<P, I> kv{k + j * D, v + j * D, table, block_size, Hkv * D};
       run_attend(kv, rows, 0, ctx + i1);
       for (int64_t r = 0; r < rows.R; ++r) store_row(out + row(r), rows, r);
     }
@@ -302,12 +324,21 @@ static void check_pools(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.is_contiguous() && k_cache.is_contiguous() &&
               v_cache.is_contiguous() && table.is_contiguous() && lens.is_contiguous());
   TORCH_CHECK(table.scalar_type() == lens.scalar_type(), "block tables and seq_lens must share one dtype");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
-              v_cache.sizes() == k_cache.sizes(), "q, k_cache and v_cache must share one dtype, the pools one shape");
+  TORCH_CHECK((q.scalar_type() == k_cache.scalar_type() || k_cache.scalar_type() == at::kFloat8_e4m3fn) &&
+              v_cache.scalar_type() == k_cache.scalar_type() && v_cache.sizes() == k_cache.sizes(),
+              "the pools must share one dtype (q's, or float8_e4m3fn) and one shape");
   const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && Hkv >= 1 && H % Hkv == 0,
               "q [N, H, D] needs pools [num_blocks, block_size, Hkv, D] with H % Hkv == 0");
   TORCH_CHECK(D <= kMaxD, "head size ", D, " is larger than the kernel's ", kMaxD);
+}
+
+template <typename T, typename F>  // f(k, v): the pools' data, typed T (q's dtype) or Fp8
+inline void with_pools(const at::Tensor& k_cache, const at::Tensor& v_cache, const F& f) {
+  if (k_cache.scalar_type() == at::kFloat8_e4m3fn)
+    f(static_cast<const Fp8*>(k_cache.data_ptr()), static_cast<const Fp8*>(v_cache.data_ptr()));
+  else
+    f(static_cast<const T*>(k_cache.data_ptr<T>()), static_cast<const T*>(v_cache.data_ptr<T>()));
 }
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -319,9 +350,10 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
     AT_DISPATCH_INDEX_TYPES(block_tables.scalar_type(), "decode_index", [&] {
       const index_t* lens = seq_lens.data_ptr<index_t>();
       for (int64_t b = 0; b < B; ++b) TORCH_CHECK(lens[b] >= 1, "every sequence attends to at least one token");
-      decode<scalar_t, index_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                                block_tables.data_ptr<index_t>(), lens, out.data_ptr<scalar_t>(), B, H, Hkv, D,
-                                k_cache.size(1), block_tables.size(1), static_cast<float>(scale));
+      with_pools<scalar_t>(k_cache, v_cache, [&](auto k, auto v) {
+        decode(q.data_ptr<scalar_t>(), k, v, block_tables.data_ptr<index_t>(), lens, out.data_ptr<scalar_t>(), B, H,
+               Hkv, D, k_cache.size(1), block_tables.size(1), static_cast<float>(scale));
+      });
     });
   });
   return out;
@@ -336,9 +368,10 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16, q.scalar_type(), "prefill", [&] {
     AT_DISPATCH_INDEX_TYPES(block_table.scalar_type(), "prefill_index", [&] {
-      prefill<scalar_t, index_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                                 block_table.data_ptr<index_t>(), out.data_ptr<scalar_t>(), T, H, Hkv, D, bs,
-                                 seq_len, static_cast<float>(scale));
+      with_pools<scalar_t>(k_cache, v_cache, [&](auto k, auto v) {
+        prefill(q.data_ptr<scalar_t>(), k, v, block_table.data_ptr<index_t>(), out.data_ptr<scalar_t>(), T, H, Hkv,
+                D, bs, seq_len, static_cast<float>(scale));
+      });
     });
   });
   return out;

@@ -74,7 +74,7 @@ class LlamaAttention(nn.Module):
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D], [B, Hkv, T, D]
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
             return self.o_proj(y.transpose(1, 2).reshape(*lead, self.q_size))
-        if meta.backend.write_kv is write_kv_flat:  # the rotation writes the rotated K (final) and V to their slots
+        if meta.backend.write_kv is write_kv_flat and kv_cache[0].dtype == k.dtype:  # rotation writes K (final), V
             q, k = self.rotary.forward_write_kv(q, k, v, *rope, *kv_cache, meta.slot_mapping)
         else:
             q, k = self.rotary(q, k, *rope)

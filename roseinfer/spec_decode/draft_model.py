@@ -55,7 +55,7 @@ class DraftModelProposer:
                              f"({mc.max_model_len})")  # fmt: skip
         self.k = spec.num_speculative_tokens
         self.model = load_model(draft_dir, cfg, runner.device, mc.dtype, linear_backend=mc.linear_backend)
-        self.kv_cache = KVCache(cfg, runner.kv_cache.num_blocks, runner.block_size, mc.dtype, runner.device)
+        self.kv_cache = KVCache(cfg, runner.kv_cache.num_blocks, runner.block_size, mc.kv_cache_dtype, runner.device)
         self.gather_buffer = GatherBuffer()
         self.computed: dict[str, int] = {}  # request id -> tokens whose draft K/V are valid
         self.fed: dict[str, list[int]] = {}  # request id -> guesses fed past them last time (maybe now its tokens)

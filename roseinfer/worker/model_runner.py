@@ -104,7 +104,7 @@ class ModelRunner:
         the host pool for swapping, then what reads the pool: the draft model (its own pool of as many blocks) and,
         on CUDA, the graphs of decode steps."""
         config, cache_config = self.config, self.config.cache_config
-        hf, dtype = config.model_config.hf_config, config.model_config.dtype
+        hf, dtype = config.model_config.hf_config, config.model_config.kv_cache_dtype  # the pool's (fp8_kv.py)
         self.kv_cache = KVCache(hf, num_blocks, self.block_size, dtype, self.device, tp_size=self.tp_size)
         if cache_config.num_cpu_blocks:
             self.host_kv_cache = KVCache(hf, cache_config.num_cpu_blocks, self.block_size, dtype, self.device,
