@@ -120,7 +120,14 @@ struct KV {  // one sequence's K/V head j, read through its block table
   const T* v;
   const I* table;
   int64_t block_size, stride;  // stride = Hkv * D elements from one slot to the next
-  int64_t slot(int64_t t) const { return static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size; }
+  // off[i] = where token t0 + i's row starts (slot * stride), i < n: one division per call, not one per token
+  void rows_at(int64_t t0, int64_t n, int64_t* off) const {
+    int64_t b = t0 / block_size, o = t0 % block_size;
+    for (int64_t i = 0; i < n; ++i) {
+      off[i] = (static_cast<int64_t>(table[b]) * block_size + o) * stride;
+      if (++o == block_size) o = 0, ++b;
+    }
+  }
 };
 
 struct Rows {  // one item's query rows and running softmax state, in the thread's scratch
@@ -128,19 +135,21 @@ struct Rows {  // one item's query rows and running softmax state, in the thread
   float *q, *acc, *m, *l, *s;  // q, acc [R, Dv]; m, l [R]; s [R, kChunk]
   Vec* part;                   // [R, N]: per row, N tokens' unfinished dot products
   int64_t* limit;              // [R]: row r sees tokens t < limit[r] (the caller fills it)
+  int64_t* off;                // [kChunk + N]: the chunk's K/V row offsets (KV::rows_at), N more to prefetch
 };
 
 inline Rows scratch(int64_t R, int64_t D) {  // the thread's buffers, grown when a call needs more, never freed
   thread_local std::vector<float> buf;
   thread_local std::vector<Vec> part;
   thread_local std::vector<int64_t> limit;
+  thread_local std::vector<int64_t> off(kChunk + N);
   const int64_t Dv = (D + N - 1) / N * N;
   if (buf.size() < size_t(R * (2 * Dv + 2 + kChunk))) buf.resize(R * (2 * Dv + 2 + kChunk));
   if (part.size() < size_t(R * N)) part.resize(R * N);
   if (limit.size() < size_t(R)) limit.resize(R);
   float* p = buf.data();
   Rows rows{R, D, Dv, p, p + R * Dv, p + 2 * R * Dv, p + 2 * R * Dv + R, p + 2 * R * Dv + 2 * R, part.data(),
-            limit.data()};
+            limit.data(), off.data()};
   std::fill(rows.acc, rows.acc + R * Dv, 0.f);
   std::fill(rows.m, rows.m + R, -kInf);
   std::fill(rows.l, rows.l + R, 0.f);
@@ -163,15 +172,15 @@ void attend(const KV<T, I>& kv, Rows& rows, int64_t t0, int64_t t1) {
   const int64_t R = rows.R, D = rows.D, Dv = rows.Dv, nv = NV ? NV : Dv / N;
   Vec x[NV ? NV : kMaxD / N], y[NV ? NV : kMaxD / N];  // one K row; two V rows
   for (int64_t c0 = t0; c0 < t1; c0 += kChunk) {
-    const int64_t n = std::min(kChunk, t1 - c0);
+    const int64_t n = std::min(kChunk, t1 - c0), ahead = std::min(n + N, t1 - c0);
+    kv.rows_at(c0, ahead, rows.off);  // rows.off[i]: token c0 + i's row
     // 1. S[r, t] = q[r] . k[t]: a tile of N tokens at a time, each K row read once for all R rows
     for (int64_t tt = 0; tt < n; tt += N) {
       const int64_t nt = std::min(N, n - tt);
       for (int64_t t = 0; t < nt; ++t) {
-        if (c0 + tt + t + N < t1) prefetch(kv.k + kv.slot(c0 + tt + t + N) * kv.stride, D);  // K, a tile ahead
-        const int64_t slot = kv.slot(c0 + tt + t);
-        prefetch(kv.v + slot * kv.stride, D);  // V of this token, needed in step 3
-        const T* kp = kv.k + slot * kv.stride;
+        if (tt + t + N < ahead) prefetch(kv.k + rows.off[tt + t + N], D);  // K, a tile ahead
+        prefetch(kv.v + rows.off[tt + t], D);  // V of this token, needed in step 3
+        const T* kp = kv.k + rows.off[tt + t];
         for (int64_t c = 0; c < nv; ++c) x[c] = load(kp + c * N, std::min(N, D - c * N));
         for (int64_t r = 0; r < R; ++r) {
           const float* qr = rows.q + r * Dv;
@@ -211,8 +220,8 @@ void attend(const KV<T, I>& kv, Rows& rows, int64_t t0, int64_t t1) {
     // 3. acc[r] += P[r, t] * v[t] + P[r, t + 1] * v[t + 1]: each V row read once for all R rows, two at a time
     for (int64_t t = 0; t < n; t += 2) {
       const bool two = t + 1 < n;
-      const T* vp = kv.v + kv.slot(c0 + t) * kv.stride;
-      const T* vq = two ? kv.v + kv.slot(c0 + t + 1) * kv.stride : vp;
+      const T* vp = kv.v + rows.off[t];
+      const T* vq = two ? kv.v + rows.off[t + 1] : vp;
       for (int64_t c = 0; c < nv; ++c) x[c] = load(vp + c * N, std::min(N, D - c * N));
       for (int64_t c = 0; c < nv; ++c) y[c] = load(vq + c * N, std::min(N, D - c * N));
       for (int64_t r = 0; r < R; ++r) {
