@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On a GPU machine: the @pytest.mark.cuda tests, the fused ops' Triton kernels (their cuda tests and a timing
-# against the PyTorch references), ./verify_paged_attention.sh, the gpu benchmark (random-weight gpt2-medium
-# shapes, fp16) and the engine step with CUDA graphs off and on and with async scheduling (stage 16). The cuda
-# tests include stage 21's grammar bitmask on CUDA (xgrammar's kernel; skipped where xgrammar is not installed).
+# against the PyTorch references), stage 22's Triton kernels (their cuda tests: the W8A8 int8 GEMM, the fp8 KV
+# cache), ./verify_paged_attention.sh, the gpu benchmark (random-weight gpt2-medium shapes, fp16) and the engine
+# step with CUDA graphs off and on and with async scheduling (stage 16). The cuda tests include stage 21's grammar
+# bitmask on CUDA (xgrammar's kernel; skipped where xgrammar is not installed).
 # Writes results/gpu_report.md.
 #
 # It uses an existing CUDA build of torch (PYTHON, default python3) rather than .venv, whose
@@ -64,10 +65,13 @@ for name, native, fused in cases:
     n, f = ms(native), ms(fused)
     print(f"{name:<42} {n:>8.4f} {f:>8.4f} {n / f:>7.1f}x")
 '
-run "pytest -m cuda" "$PY" -m pytest -q -m cuda tests/ --ignore=tests/test_20_triton_fused_ops.py
+run "pytest -m cuda" "$PY" -m pytest -q -m cuda tests/ --ignore=tests/test_20_triton_fused_ops.py \
+  --ignore=tests/test_22_triton_int8.py --ignore=tests/test_22_triton_fp8_kv.py
 run "fused ops in Triton: pytest -m cuda tests/test_20_triton_fused_ops.py" "$PY" -m pytest -q -m cuda \
   tests/test_20_triton_fused_ops.py
 run "fused ops in Triton vs PyTorch: one call each, Llama-3-8B shapes, 256 tokens" "$PY" -c "$FUSED_OPS_TIMING"
+run "W8A8 int8 GEMM and fp8 KV cache in Triton: pytest -m cuda tests/test_22_triton_*.py" "$PY" -m pytest -q -m cuda \
+  tests/test_22_triton_int8.py tests/test_22_triton_fp8_kv.py
 run "verify_paged_attention" "$PY" examples/verify_paged_attention.py
 run "benchmark --workload gpu (gpt2-medium shapes, fp16)" "$PY" scripts/benchmark.py --workload gpu \
   --model gpt2-medium --dtype float16 --batch-size 256 --json results/gpu_benchmark.json

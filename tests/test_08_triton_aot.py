@@ -4,7 +4,7 @@ The rest of the suite runs the kernels in Triton's interpreter, which checks wha
 never compiles them. Here `tools/triton_aot.py` compiles each kernel of
 roseinfer/attention/triton_kernels.py to PTX and a cubin for sm_80 (A100) and sm_90 (H100), at the
 bundled model's and GPT-2 small/medium shapes, in a fresh process without TRITON_INTERPRET
-(Triton's own compile cache makes later runs quick).
+(Triton's own compile cache makes later runs quick); the fp8 KV cache's variants for sm_90 only.
 """
 
 from __future__ import annotations
@@ -40,3 +40,10 @@ def test_every_kernel_compiles_for_sm80_and_sm90(tmp_path):
         assert 0 < r["registers"] <= 255, r
         assert r["local_bytes"] == 0, f"{r['kernel']} spills registers at {r['shape']} on {r['target']}"
     assert "decode attention roofline" in proc.stdout
+    # an fp8 KV cache: every kernel that touches the pools, compiled for sm_90 only (fp8e4nv needs sm_89+)
+    assert report["fp8_targets"] == ["sm_90"]
+    assert {"_write_kv_kernel", "_paged_attention_kernel", "_prefill_attention_kernel"} <= set(report["fp8_kernels"])
+    fp8 = {(r["kernel"], r["shape"], r["target"]) for r in report["fp8_results"]}
+    assert fp8 == {(k, s, "sm_90") for k in report["fp8_kernels"] for s in report["fp8_shapes"]}
+    for r in report["fp8_results"]:
+        assert r["cubin_bytes"] > 0 and r["local_bytes"] == 0, r

@@ -231,7 +231,7 @@ def _misaligned():
     [
         (_non_contiguous, "layer 0's k_cache is not contiguous"),
         (_misaligned, "layer 0's k_cache does not start on a 16-byte boundary"),
-        (lambda: _pools(dtype=torch.float64), "float32, float16 or bfloat16, got torch.float64"),
+        (lambda: _pools(dtype=torch.float64), "float32, float16, bfloat16 or fp8, got torch.float64"),
     ],
 )
 def test_triton_rejects_pools_it_cannot_copy(make, match):

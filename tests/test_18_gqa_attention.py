@@ -336,10 +336,11 @@ def test_the_gqa_triton_kernels_compile_for_sm80_and_sm90(tmp_path):
                           env=env, capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
-    # the last three: stage 20's fused ops, compiled at the GQA shapes too
+    # then stage 20's fused ops and stage 22's W8A8 kernels, compiled at the GQA shapes too
     kernels = {"_write_kv_kernel", "_paged_attention_kernel", "_paged_attention_split_kernel",
                "_reduce_splits_kernel", "_prefill_attention_kernel", "_copy_blocks_kernel",
-               "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel"}  # fmt: skip
+               "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel",
+               "_int8_quant_kernel", "_scaled_mm_kernel"}  # fmt: skip
     compiled = {(r["kernel"], r["shape"], r["target"]) for r in report["gqa_results"]}
     assert compiled == {(k, s, t) for k in kernels for s in report["gqa_shapes"] for t in ("sm_80", "sm_90")}
     for r in report["gqa_results"]:

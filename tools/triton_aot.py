@@ -21,6 +21,9 @@ kernel with the arguments of a real launch at a given model shape. A new kernel 
 gets an entry there; tests/test_08_triton_aot.py fails until it has one.
 SHAPES are multi-head models; GQA_SHAPES grouped-query ones (fewer K/V heads than query heads), compiled
 as well and reported apart (the JSON's `gqa_shapes` and `gqa_results`; `--gqa-only` compiles just those).
+FP8_SHAPES are the kernels that touch the KV pools (FP8_KERNELS) with an fp8 KV cache (float8_e4m3fn pools,
+kv_cache_dtype="fp8"), compiled for sm_90 only: Triton's fp8e4nv conversions need sm_89+ and it refuses them
+for sm_80 (the JSON's `fp8_shapes`, `fp8_targets` and `fp8_results`).
 
 Run it without TRITON_INTERPRET: under the interpreter Triton builds no compilable kernels.
 """
@@ -46,6 +49,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from roseinfer.attention.triton_registry import (  # noqa: E402  (the kernels: after the TRITON_INTERPRET check)
     COPY_PAIRS,
+    FP8_KERNELS,
+    FP8_SHAPES,
+    FP8_TARGETS,
     GQA_SHAPES,
     KERNELS,
     MODULES,
@@ -186,15 +192,20 @@ def main() -> int:
             args.json.write_text(json.dumps(report, indent=1))
         return 0
     results = compile_all(shapes, args.ptx)
+    fp8_shapes = [dataclasses.replace(s, block_size=args.block_size) for s in FP8_SHAPES]
+    fp8_results = [compile_kernel(k, s, t, args.ptx) for k in FP8_KERNELS for s in fp8_shapes for t in FP8_TARGETS]
     by_key = {(r.kernel, r.shape, r.target): r for r in [*results, *gqa_results]}
 
-    print(f"Triton {triton.__version__}, no GPU: {len(results) + len(gqa_results)} compiles to PTX and cubin for "
-          f"{' and '.join(TARGETS)}; fp16, block_size {args.block_size}, num_warps {results[0].num_warps}")  # fmt: skip
+    n = len(results) + len(gqa_results) + len(fp8_results)
+    print(f"Triton {triton.__version__}, no GPU: {n} compiles to PTX and cubin for {' and '.join(TARGETS)} "
+          f"(fp8 pools: {' and '.join(FP8_TARGETS)}); fp16, block_size {args.block_size}, "
+          f"num_warps {results[0].num_warps}")  # fmt: skip
     print("regs = registers per thread, spill = local memory per thread in bytes, smem = shared memory per program;")
     print("each launch: a decode step of 64 sequences at the model's full context (write: their 64 new tokens),")
     print("split-K with S = 4, prefill: 4 whole prompts of the model's context in one launch,")
     print(f"copy_blocks: {COPY_PAIRS} block copies in every layer's K and V (it writes as many bytes as it reads);")
     print("fused ops (RMSNorm with the residual, rotary, SiLU-and-mul): one layer's, for the 64 tokens of that step;")
+    print("W8A8 (int8 quantization of x, the int8 GEMM + scales): the qkv projection of those 64 tokens;")
     print("MB = bytes it must read; µs = that read at the full HBM bandwidth")
     head = f"{'kernel':<30} {'shape':<17} {'regs':>7} {'spill':>5} {'smem':>11}  {'widest load':<17} {'grid':<12}"
     print(f"\n{'':<49}{'sm_80 / sm_90':^25}".rstrip())
@@ -211,6 +222,16 @@ def main() -> int:
             print(f"{k:<30} {s.name:<17} {two[0]:>7} {two[1]:>5} {two[2]:>11}  {load:<17} {grid:<12} "
                   f"{nbytes / 1e6:>7.2f} {us[0]:>8.2f} {us[1]:>8.2f}")  # fmt: skip
 
+    print(f"\nfp8 KV cache (kv_cache_dtype='fp8', float8_e4m3fn pools), {' and '.join(FP8_TARGETS)} only: Triton's")
+    print("fp8e4nv needs sm_89+ and refuses sm_80 (copy_blocks moves the bytes as uint8); same launches as above")
+    print(f"{head} {'MB':>7} {'µs H100':>8}")
+    for r in fp8_results:
+        s = next(s for s in fp8_shapes if s.name == r.shape)
+        nbytes, grid = KERNELS[r.kernel].bytes_read(s), "(" + ", ".join(map(str, KERNELS[r.kernel].grid(s))) + ")"
+        us = nbytes / BANDWIDTH["H100"] * 1e6
+        print(f"{r.kernel:<30} {r.shape:<17} {r.registers:>7} {r.local_bytes:>5} {r.shared_bytes:>11}  "
+              f"{r.widest_load:<17} {grid:<12} {nbytes / 1e6:>7.2f} {us:>8.2f}")  # fmt: skip
+
     print("\ndecode attention roofline at gpt2-medium's shape (H 16, D 64, fp16, block 16), the shapes that")
     print("examples/verify_paged_attention.py times on a GPU; 'auto' = what paged_attention_auto launches there")
     print(f"{'B':>5} {'context':>7} {'MB read':>9} {'µs H100':>10} {'µs A100':>10}   {'auto on H100 / A100':>11}")
@@ -222,7 +243,10 @@ def main() -> int:
     if args.json:
         report = {"launched": sorted(launched_kernels()), "targets": list(TARGETS), "shapes": [s.name for s in shapes]}
         gqa = {"gqa_shapes": [s.name for s in gqa_shapes], "gqa_results": [r.__dict__ for r in gqa_results]}
-        args.json.write_text(json.dumps({**report, "results": [r.__dict__ for r in results], **gqa}, indent=1))
+        fp8 = {"fp8_shapes": [s.name for s in fp8_shapes], "fp8_targets": FP8_TARGETS,
+               "fp8_kernels": FP8_KERNELS, "fp8_results": [r.__dict__ for r in fp8_results]}  # fmt: skip
+        report = {**report, "results": [r.__dict__ for r in results], **gqa, **fp8}
+        args.json.write_text(json.dumps(report, indent=1))
     return 0
 
 

@@ -39,7 +39,10 @@ from triton.runtime.interpreter import InterpretedFunction
 from roseinfer.attention.reference import check_copy_blocks_args
 
 _MAX_TILE = 1024  # elements per program at most: 128 threads x 8 (16 bytes of fp16); tests shrink it
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+_TL_DTYPES = {  # the pointer type a pool's elements are moved as: a copy never converts, so only the size matters
+    torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
+    torch.float8_e4m3fn: tl.uint8,  # kv_cache_dtype="fp8": moved as bytes, which needs no fp8 type (any GPU)
+}  # fmt: skip
 
 
 @triton.jit
@@ -117,7 +120,7 @@ def _check_pools(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """What the kernel needs beyond `check_copy_blocks_args`: it reaches the pools by raw address."""
     k0 = kv_caches[0][0]
     if k0.dtype not in _TL_DTYPES:
-        raise ValueError(f"copy_blocks_triton: pools must be float32, float16 or bfloat16, got {k0.dtype}")
+        raise ValueError(f"copy_blocks_triton: pools must be float32, float16, bfloat16 or fp8, got {k0.dtype}")
     for layer, (k_cache, v_cache) in enumerate(kv_caches):
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
             if not t.is_contiguous():  # a block is one contiguous run only in a contiguous pool

@@ -22,6 +22,8 @@ G = H // Hkv (`num_queries_per_kv`, vLLM's name; 1 for MHA). The attention kerne
 first from memory, the others mostly from the GPU's L2 cache, where they run at the same time. A launch
 with G = 1 compiles to today's MHA kernel: Triton specializes an int argument equal to 1 into a constant,
 so `head // 1` folds away.
+
+fp8 pools (float8_e4m3fn): every load converts `.to(tl.float32)`; the write saturates at ±448 (triton_fp8.py).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from roseinfer.attention.triton_fp8 import _to_cache
 
 # --------------------------------------------------------------------------------------------------
 # 1. Writing new K/V into the pool (vLLM's reshape_and_cache)
@@ -39,8 +43,8 @@ import triton.language as tl
 def _write_kv_kernel(
     key_ptr,  # [N, Hkv, D] K of the new tokens (last dim contiguous)
     value_ptr,  # [N, Hkv, D]
-    k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
-    v_cache_ptr,  # [num_blocks, block_size, Hkv, D], same strides as k_cache
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D] float, or float8_e4m3fn (kv_cache_dtype="fp8")
+    v_cache_ptr,  # [num_blocks, block_size, Hkv, D], same strides and dtype as k_cache
     slot_mapping_ptr,  # [N] int32/int64
     stride_kn,  # elements between two tokens of `key` (not Hkv * D when key is a slice of a fused QKV)
     stride_kh,  # elements between two heads of `key`
@@ -73,8 +77,8 @@ def _write_kv_kernel(
 
     k = tl.load(src_k, mask=mask)  # [HEADS_POW2, D] one token's K, all heads
     v = tl.load(src_v, mask=mask)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)  # cast to the cache dtype
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + dst, _to_cache(k, k_cache_ptr), mask=mask)  # cast to the cache dtype (fp8: saturated)
+    tl.store(v_cache_ptr + dst, _to_cache(v, v_cache_ptr), mask=mask)
 
 
 def write_kv_triton(

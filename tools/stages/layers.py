@@ -39,9 +39,14 @@ LAYERS = {  # package -> layer: a package may import from its own layer and the 
     "tokenizer": 0,
 }
 UPWARD_IMPORTS = {  # file -> the modules of a higher layer it may import, and why
-    # the table of every Triton kernel for tools/triton_aot.py: it lists model_executor's fused-op kernels too;
-    # the engine never imports it
-    "roseinfer/attention/triton_registry.py": ("roseinfer.model_executor", "roseinfer.model_executor.triton_ops"),
+    # the table of every Triton kernel for tools/triton_aot.py: it lists model_executor's fused-op and W8A8
+    # kernels too; the engine never imports it
+    "roseinfer/attention/triton_registry.py": (
+        "roseinfer.model_executor",
+        "roseinfer.model_executor.triton_ops",
+        "roseinfer.model_executor.quantization",
+        "roseinfer.model_executor.quantization.triton_int8",
+    ),
 }
 CORE_PARTS = {"scheduler", "kv_cache_manager", "model_runner"}
 IMPORT_RULES = {  # module -> the folders (or files) that may import it

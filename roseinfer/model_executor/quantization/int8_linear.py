@@ -1,5 +1,6 @@
-"""The W8A8 linear layer the model runs, and its fast CPU path (the reference is int8.py).
+"""The W8A8 linear layer the model runs, and its fast paths (the reference is int8.py).
 
+On a CPU:
     load time:  weight [out, K] int8 ── .t().contiguous() ──► weight_t [K, out] int8 (what torch._int_mm reads)
     each step:  x [N, K] float ── quantize_activations ──► x_q [N, K] int8, s_x (per token: one C++ pass
                                                             per row, csrc/int8_quant.cpp, where it is built)
@@ -8,14 +9,20 @@
                                                     with Intel DL Boost", i.e. VNNI)
                 s_x · acc · s_w (+ bias) ──► [N, out] in x's dtype
 
-The integer product is exact, so this path equals `w8a8_linear_reference` up to the float epilogue (the
+On CUDA, with triton importable (triton_int8.py; never run on a GPU, tested in Triton's interpreter):
+    load time:  weight_t = weight.t(), a view: the kernel reads weight [out, K] as it is, K contiguous
+    each step:  x ── _int8_quant_kernel ──► x_q, s_x ── _scaled_mm_kernel ──► [N, out]: two launches, the
+                int32 product stays in registers, any number of rows
+
+The integer product is exact, so both paths equal `w8a8_linear_reference` up to the float epilogue (the
 tests check it). `torch._int_mm` exists on CPU and CUDA in torch 2.13; cuBLAS needs more than 16 rows, so
-smaller CUDA batches take the reference GEMM (the CUDA path is written, not run: no GPU here). oneDNN's gemm
-packs the weight on every call, as MKL's sgemm does for fp32 (onednn_linear.py); a weight packed once for
-an int8 primitive is the next step.
+smaller CUDA batches without triton take the reference GEMM. oneDNN's gemm packs the weight on every call,
+as MKL's sgemm does for fp32 (onednn_linear.py); a weight packed once for an int8 primitive is the next step.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn as nn
@@ -46,10 +53,25 @@ def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | None) -> t
     return scaled_int8_quant(x, input_scale)
 
 
+@functools.cache
+def triton_int8_importable() -> bool:
+    """Whether triton_int8.py's kernels can load; asked on CUDA only, so CPU runs never import triton."""
+    try:
+        from roseinfer.model_executor.quantization import triton_int8  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def w8a8_linear(x: torch.Tensor, weight_t: torch.Tensor, weight_scale: torch.Tensor,
                 input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """x [..., K] float -> [..., out]: the same math as `w8a8_linear_reference`, with the integer GEMM on
-    torch._int_mm and weight_t = weightᵀ laid out once at load time."""
+    """x [..., K] float -> [..., out]: the same math as `w8a8_linear_reference`. weight_t = weightᵀ [K, out],
+    laid out at load time. On CUDA with triton: the two Triton kernels, which read weight_t.t() = weight
+    [out, K] through its strides; otherwise the integer GEMM on torch._int_mm."""
+    if x.is_cuda and triton_int8_importable():
+        from roseinfer.model_executor.quantization.triton_int8 import w8a8_linear_triton
+
+        return w8a8_linear_triton(x, weight_t.t(), weight_scale, input_scale, bias)
     lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])  # [N, K]
     x_q, x_scale = quantize_activations(rows, input_scale)
     acc = int8_mm(x_q, weight_t)  # [N, out] int32
@@ -69,7 +91,7 @@ class Int8Linear(nn.Module):
         self.input_scale = nn.Parameter(torch.ones(1), requires_grad=False) if static_input else None
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.weight_t: torch.Tensor | None = None  # [in, out] int8, made by process_weights_after_loading
-        self.use_reference = False  # True: the plain-PyTorch reference (int8.py) instead of torch._int_mm
+        self.use_reference = False  # True: the plain-PyTorch reference (int8.py) instead of the fast path
 
     def _apply(self, fn, recurse=True):
         """`.to(dtype)` casts the model's float tensors; the int8 weight and the fp32 scales keep theirs."""
@@ -81,8 +103,12 @@ class Int8Linear(nn.Module):
         return self
 
     def process_weights_after_loading(self) -> None:
-        """Lay the weight out as torch._int_mm reads it (vLLM's name for this load-time step)."""
-        self.weight_t = self.weight.data.t().contiguous()  # [in, out]
+        """Lay the weight out as the GEMM reads it (vLLM's name for this load-time step): for torch._int_mm a
+        [in, out] copy; for the Triton kernel (CUDA) a transposed view, no copy: it reads weight [out, in]."""
+        if self.weight.is_cuda and triton_int8_importable():
+            self.weight_t = self.weight.data.t()  # [in, out] view, strides (1, in)
+        else:
+            self.weight_t = self.weight.data.t().contiguous()  # [in, out]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = self.weight_scale.reshape(-1)  # [out]
