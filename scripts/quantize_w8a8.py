@@ -1,4 +1,5 @@
-"""Write a compressed-tensors W8A8 int8 copy of a Llama-family checkpoint: `python scripts/quantize_w8a8.py --help`.
+"""Write a compressed-tensors int8 copy (W8A8 or W8A16) of a Llama-family checkpoint:
+`python scripts/quantize_w8a8.py --help`.
 
 The implementation is tools/models/quantize_w8a8.py.
 """

@@ -164,7 +164,7 @@ def _config(**changes) -> dict:
     (dict(weights__symmetric=False), "weights.symmetric"),
     (dict(acts__strategy="tensor"), "input_activations.dynamic"),
     (dict(acts__symmetric=False), "input_activations.symmetric"),
-    (dict(group__input_activations=None), "input_activations"),
+    (dict(group__input_activations=None), "group_0.format"),  # weight only, but not packed
     (dict(group__targets=["re:.*q_proj"]), "targets"),
     (dict(kv_cache_scheme={"num_bits": 8, "type": "float"}), "kv_cache_scheme"),
     (dict(ignore=["lm_head", "model.layers.0.mlp.down_proj"]), "ignore"),

@@ -132,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.head_packed: torch.Tensor | None = None
-        if cfg.quantization is not None:  # a W8A8 checkpoint: the decoder's linears hold int8 weights
+        if cfg.quantization is not None:  # a W8A8 or W8A16 checkpoint: the decoder's linears hold int8 weights
             use_int8_linears(self.model, cfg.quantization, tp_size)
 
     def pack_for_onednn(self) -> None:

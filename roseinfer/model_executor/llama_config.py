@@ -12,7 +12,7 @@ to the math, implemented or refused by name, never ignored.
                  sliding_window (Mistral; Qwen with use_sliding_window): kept, and the engine refuses a
                      window shorter than the context it runs (config.py), since it attends to everything
                  eos_token_id (one id or a list; generation_config.json's list wins, as in transformers)
-                 quantization_config: compressed-tensors W8A8 int8 only (quantization/compressed_tensors.py
+                 quantization_config: compressed-tensors W8A8 or W8A16 int8 (quantization/compressed_tensors.py
                      checks every field; any other method, format or scheme is refused there)
     ignored      dropout, initializer_range, use_cache, pad/bos ids, pretraining_tp (transformers ignores
                  it at inference too), max_window_layers without use_sliding_window, torch_dtype/dtype
@@ -67,7 +67,7 @@ class LlamaConfig:
     qk_norm: bool  # Qwen3: RMSNorm over each head of q and k, before the rotation
     sliding_window: int | None  # None: every token attends to its whole context
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)  # any of them ends a sequence
-    quantization: Int8QuantConfig | None = None  # None: float weights; else every decoder linear is W8A8 int8
+    quantization: Int8QuantConfig | None = None  # None: float weights; else every decoder linear int8 (W8A8 or W8A16)
 
     @property
     def eos_token_id(self) -> int | None:

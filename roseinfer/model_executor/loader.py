@@ -109,7 +109,7 @@ def load_model(model_dir: Path, cfg: ModelConfigType, device: torch.device, dtyp
     model_class = model_class_of(cfg)
     sd = load_state_dict(model_dir)
     quant = getattr(cfg, "quantization", None)
-    if quant is not None:  # a W8A8 checkpoint: its int8 weights and their scales checked by name
+    if quant is not None:  # int8 weights (W8A16: unpacked) and their scales checked by name
         sd = check_quantized_state_dict(sd, quant)
     ours = model_class.convert_state_dict(sd, cfg, tp_rank, tp_size)
     net = model_class(cfg, tp_size)

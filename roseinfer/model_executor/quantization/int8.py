@@ -27,14 +27,19 @@ import torch
 INT8_MAX = 127  # symmetric: [-127, 127]; -128 is never produced, so negation never overflows
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(weight: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """W [out, in] float -> (W_q [out, in] int8, weight_scale [out] fp32), round-to-nearest per output
-    channel. A row of zeros gets scale 1 (any scale reproduces it)."""
+    channel; with `group_size` g, one scale per g consecutive inputs of a row: weight_scale [out, in / g].
+    A row (group) of zeros gets scale 1 (any scale reproduces it)."""
     w = weight.float()
-    scale = w.abs().amax(dim=1) / INT8_MAX  # [out]
+    out, k = w.shape
+    g = group_size or k
+    if k % g:
+        raise ValueError(f"group_size {g} does not divide the {k} inputs")
+    scale = w.reshape(out, k // g, g).abs().amax(dim=2) / INT8_MAX  # [out, G]
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    w_q = torch.round(w / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)  # [out, in]
-    return w_q, scale
+    w_q = torch.round(w / scale.repeat_interleave(g, dim=1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)  # [out, in]
+    return w_q, (scale if group_size else scale[:, 0])
 
 
 def scaled_int8_quant(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,9 +83,19 @@ def w8a8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
     return scaled_mm_epilogue(acc, x_scale, weight_scale, bias, x.dtype).reshape(*lead, -1)
 
 
+def dequantize_weight(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """W_q [out, K] int8 -> s_w · W_q [out, K] fp32. weight_scale [out] or [out, 1]: one scale per output
+    channel; [out, G]: one per group of K / G consecutive inputs of each row (a `group_size` scheme)."""
+    out, k = weight.shape
+    s = weight_scale.float().reshape(out, -1)  # [out, G]
+    groups = s.shape[1]
+    return (weight.float().reshape(out, groups, k // groups) * s[:, :, None]).reshape(out, k)  # [out, K]
+
+
 def w8a16_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                            bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """x [..., K] float, weight [out, K] int8, weight_scale [out] -> [..., out]: dequantize W to x's dtype
-    (s_w · W_q), then an ordinary float linear. Only the weights are approximated."""
-    w = (weight.float() * weight_scale.float()[:, None]).to(x.dtype)  # [out, K]
+    """x [..., K] float, weight [out, K] int8, weight_scale [out] (or [out, G], per group) -> [..., out]:
+    dequantize W to x's dtype (s_w · W_q, in fp32 then rounded once), then an ordinary float linear. Only
+    the weights are approximated."""
+    w = dequantize_weight(weight, weight_scale).to(x.dtype)  # [out, K]
     return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))

@@ -1,4 +1,7 @@
-"""The W8A8 linear layer the model runs, and its fast paths (the reference is int8.py).
+"""The int8 linear layers the model runs (W8A8: Int8Linear; W8A16: Int8WeightOnlyLinear) and their fast
+paths (the references are int8.py).
+
+W8A8:
 
 On a CPU:
     load time:  weight [out, K] int8 ── .t().contiguous() ──► weight_t [K, out] int8 (what torch._int_mm reads)
@@ -18,6 +21,23 @@ The integer product is exact, so both paths equal `w8a8_linear_reference` up to 
 tests check it). `torch._int_mm` exists on CPU and CUDA in torch 2.13; cuBLAS needs more than 16 rows, so
 smaller CUDA batches without triton take the reference GEMM. oneDNN's gemm packs the weight on every call,
 as MKL's sgemm does for fp32 (onednn_linear.py); a weight packed once for an int8 primitive is the next step.
+
+W8A16 (weights int8, activations stay float): y = x · (s_w · W_q)ᵀ. Per weight it stores and reads 1 byte
+instead of 4 (fp32) or 2 (bf16): memory and bandwidth, which is what decode is bound by. It saves no
+arithmetic: every product is still a float multiply-add, and the int8 weight must first become a float.
+Two ways to run it on a CPU, measured on SmolLM2-135M's shapes (576×1536, one thread):
+
+    aten._weight_int8pack_mm(x, W_q, s_w)   one kernel that converts each int8 weight as it multiplies;
+                                            bf16: fast for a few rows (1 row: ~50 µs, 7× faster than dequantizing,
+                                            faster even than the bf16 linear of the float weight), slower from
+                                            ~32 rows on (256 rows: 2.4× slower); fp32 and fp16: a slow
+                                            generic loop (1 row: 3.5× slower, 256 rows: 38× slower)
+    dequantize, then F.linear               s_w · W_q in fp32 (a new [out, K] tensor each call), then the
+                                            ordinary float GEMM (MKL/oneDNN): the GEMM's cost plus one pass
+                                            over the weight; for many rows that pass is noise
+
+`w8a16_linear` takes the first for bf16 batches of up to 16 rows (decode) with one scale per channel, and
+the second (exactly `w8a16_linear_reference`) everywhere else, including group scales.
 """
 
 from __future__ import annotations
@@ -33,7 +53,10 @@ from roseinfer.model_executor.quantization.int8 import (
     scaled_int8_quant,
     scaled_mm_epilogue,
     w8a8_linear_reference,
+    w8a16_linear_reference,
 )
+
+INT8PACK_MAX_ROWS = 16  # _weight_int8pack_mm (bf16) beats dequantize + F.linear up to here (measured above)
 
 
 def int8_mm(x_q: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
@@ -78,7 +101,34 @@ def w8a8_linear(x: torch.Tensor, weight_t: torch.Tensor, weight_scale: torch.Ten
     return scaled_mm_epilogue(acc, x_scale, weight_scale, bias, x.dtype).reshape(*lead, -1)
 
 
-class Int8Linear(nn.Module):
+def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """x [..., K] float, weight [out, K] int8, weight_scale [out] (per channel) or [out, G] (per group) ->
+    [..., out]: `_weight_int8pack_mm` for small bf16 batches on a CPU, else `w8a16_linear_reference`."""
+    lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])  # [N, K]
+    fast = x.dtype == torch.bfloat16 and x.device.type == "cpu" and weight_scale.dim() == 1
+    if not (fast and rows.shape[0] <= INT8PACK_MAX_ROWS):
+        return w8a16_linear_reference(x, weight, weight_scale, bias)
+    y = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), weight, weight_scale.to(x.dtype))  # [N, out]
+    if bias is not None:
+        y = y + bias.to(x.dtype)
+    return y.reshape(*lead, -1)
+
+
+class _Int8Weights(nn.Module):
+    """What both int8 layers share: `.to(dtype)` casts the model's float tensors (the bias); the int8 weight
+    and the fp32 scales keep theirs."""
+
+    def _apply(self, fn, recurse=True):
+        keep = {n: p.data for n, p in self.named_parameters(recurse=False) if n != "bias"}
+        super()._apply(fn, recurse)
+        for name, old in keep.items():
+            p = getattr(self, name)
+            p.data = old.to(p.device)
+        return self
+
+
+class Int8Linear(_Int8Weights):
     """y = x Wᵀ + b with W stored as int8 + a per-output-channel scale (compressed-tensors' W8A8 int8 scheme;
     vLLM's CompressedTensorsW8A8Int8). Its state dict holds the checkpoint's tensors as they are saved:
     `weight` [out, in] int8, `weight_scale` [out, 1], and `input_scale` [1] when activations are static."""
@@ -93,15 +143,6 @@ class Int8Linear(nn.Module):
         self.weight_t: torch.Tensor | None = None  # [in, out] int8, made by process_weights_after_loading
         self.use_reference = False  # True: the plain-PyTorch reference (int8.py) instead of the fast path
 
-    def _apply(self, fn, recurse=True):
-        """`.to(dtype)` casts the model's float tensors; the int8 weight and the fp32 scales keep theirs."""
-        keep = {n: p.data for n, p in self.named_parameters(recurse=False) if n != "bias"}
-        super()._apply(fn, recurse)
-        for name, old in keep.items():
-            p = getattr(self, name)
-            p.data = old.to(p.device)
-        return self
-
     def process_weights_after_loading(self) -> None:
         """Lay the weight out as the GEMM reads it (vLLM's name for this load-time step): for torch._int_mm a
         [in, out] copy; for the Triton kernel (CUDA) a transposed view, no copy: it reads weight [out, in]."""
@@ -115,3 +156,31 @@ class Int8Linear(nn.Module):
         if self.use_reference or self.weight_t is None:
             return w8a8_linear_reference(x, self.weight, scale, self.input_scale, self.bias)
         return w8a8_linear(x, self.weight_t, scale, self.input_scale, self.bias)
+
+
+class Int8WeightOnlyLinear(_Int8Weights):
+    """y = x Wᵀ + b with W stored as int8 + float scales and x left as it is (compressed-tensors' W8A16 int8
+    scheme; vLLM's CompressedTensorsWNA16 with 8 bits). Its state dict: `weight` [out, in] int8 (the loader
+    unpacks the checkpoint's `weight_packed`, compressed_tensors.py) and `weight_scale` [out, 1] fp32, or
+    [out, in / group_size] with `group_size` (one scale per group of inputs)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, group_size: int | None = None):
+        super().__init__()
+        if group_size is not None and (group_size <= 0 or in_features % group_size):
+            raise ValueError(f"quantization_config weights.group_size={group_size} does not divide a linear "
+                             f"layer's {in_features} inputs")  # fmt: skip
+        groups = 1 if group_size is None else in_features // group_size
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=torch.int8), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.ones(out_features, groups), requires_grad=False)  # [out, G] fp32
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.use_reference = False  # True: w8a16_linear_reference always
+
+    def process_weights_after_loading(self) -> None:
+        """Nothing to lay out: _weight_int8pack_mm reads `weight` [out, in] as it is."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.weight_scale if self.weight_scale.shape[1] > 1 else self.weight_scale.reshape(-1)  # [out]
+        if self.use_reference:
+            return w8a16_linear_reference(x, self.weight, scale, self.bias)
+        return w8a16_linear(x, self.weight, scale, self.bias)
