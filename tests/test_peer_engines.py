@@ -63,7 +63,7 @@ def test_peer_greedy_ids_equal_transformers(bench, name, tmp_path, monkeypatch):
     # head size 64 (n_embd 128, 2 heads): one vLLM's CPU attention supports
     model_dir = make_random_checkpoint(tmp_path / "gpt2", seed=1, n_embd=128, n_head=2)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
-    monkeypatch.setattr(sys.modules["bench_engines"], "CT2_CACHE", tmp_path / "ct2")  # not the repo's .cache
+    monkeypatch.setattr(sys.modules["benchmarks.engine.bench_engines"], "CT2_CACHE", tmp_path / "ct2")  # not .cache
     wl = workload(bench)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -89,7 +89,7 @@ def test_ct2_treats_eos_as_an_ordinary_token(bench, tmp_path, monkeypatch):
         model.transformer.ln_f.bias.fill_(1.0)
         model.lm_head.weight[model.config.eos_token_id] += 5.0
     model.save_pretrained(model_dir)
-    monkeypatch.setattr(sys.modules["bench_engines"], "CT2_CACHE", tmp_path / "ct2")
+    monkeypatch.setattr(sys.modules["benchmarks.engine.bench_engines"], "CT2_CACHE", tmp_path / "ct2")
     wl = bench.Workload({}, [[5, 6, 7], [8, 9]], [4, 3])
     ids, _, _ = bench.ENGINES["ct2"](wl, model_dir, torch.device("cpu"), torch.float32, 4)
     assert ids == [[4095] * 4, [4095] * 3]

