@@ -113,6 +113,8 @@ BAD_ENGINE_ARGS = [  # (argument, bad value, error); the message must name the a
     ("attention_backend", None, TypeError),
     ("linear_backend", "MKL", ValueError), ("linear_backend", 3, TypeError), ("linear_backend", None, TypeError),
     ("custom_ops", "fused", ValueError), ("custom_ops", 3, TypeError), ("custom_ops", None, TypeError),
+    ("kv_cache_dtype", "int4", ValueError), ("kv_cache_dtype", "fp8_e5m2", ValueError),
+    ("kv_cache_dtype", None, TypeError), ("kv_cache_dtype", torch.float8_e4m3fn, TypeError),
     ("max_num_seqs", 0, ValueError), ("max_num_seqs", -1, ValueError), ("max_num_seqs", 1.5, TypeError),
     ("max_num_seqs", True, TypeError), ("max_num_seqs", "4", TypeError), ("max_num_seqs", None, TypeError),
     ("max_num_batched_tokens", 0, ValueError), ("max_num_batched_tokens", -1, ValueError),
