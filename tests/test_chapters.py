@@ -250,3 +250,55 @@ def test_a_chapter_links_its_neighbours_and_shows_its_diff(tmp_path):
     chapter.write_text(good.replace("stage-04-a stage-05-b", "stage-03-z stage-05-b"))
     (failure,) = check_links(read_document(chapter), "05-b", ("04-a", "06-c"))
     assert "git diff stage-04-a stage-05-b" in failure
+
+
+GOOD_ORDER = [
+    "1. The problem",
+    "2. The idea",
+    "3. Walkthrough of the diff",
+    "4. Memory layout",  # more about the code: allowed between the walkthrough and Run it
+    "5. Run it",
+    "6. Check yourself",
+    "7. Exercises",
+    "8. Build it yourself",
+    "9. What the next stage fixes",
+    "10. Measured: naive vs KV cache",
+]
+
+
+def _sections(tmp_path, titles: list[str], body: str = "text\n") -> list[str]:
+    from tools.chapters.sections import check_sections
+
+    chapter = tmp_path / "05-b" / "README.md"
+    chapter.parent.mkdir(exist_ok=True)
+    chapter.write_text("# 05 · B\n\n## Run this chapter\n\n" + "".join(f"## {t}\n\n{body}\n" for t in titles))
+    return check_sections(read_document(chapter), "05-b", in_book=True)
+
+
+def test_a_chapter_has_its_sections_in_the_readers_order(tmp_path):
+    assert _sections(tmp_path, GOOD_ORDER) == []
+    without_next = [t for t in GOOD_ORDER if "next stage" not in t]  # optional, as in the last chapter
+    assert _sections(tmp_path, [f"{i}. {t.split('. ', 1)[1]}" for i, t in enumerate(without_next, 1)]) == []
+
+
+def test_measured_in_the_middle_fails_and_is_the_section_named(tmp_path):
+    titles = [t.split(". ", 1)[1] for t in GOOD_ORDER]
+    titles.insert(5, titles.pop())  # Measured right after Run it, as chapters 01-20 had it
+    (failure,) = _sections(tmp_path, [f"{i}. {t}" for i, t in enumerate(titles, 1)])
+    assert "05-b/README.md:" in failure and "section '6. Measured: naive vs KV cache'" in failure
+    assert "out of order" in failure and failure.endswith("[What the next stage fixes], Measured")
+
+
+def test_a_gap_in_the_numbers_fails(tmp_path):
+    titles = GOOD_ORDER[:4] + [f"{int(t.split('.')[0]) + 1}.{t.split('.', 1)[1]}" for t in GOOD_ORDER[4:]]
+    (failure,) = _sections(tmp_path, titles)  # one failure: the first section after the gap
+    assert "section '6. Run it' is numbered 6, expected 5" in failure
+
+
+def test_missing_misplaced_and_misnumbered_sections_fail(tmp_path):
+    failures = _sections(tmp_path, [t for t in GOOD_ORDER if "Check" not in t])
+    assert any("no 'Check yourself' section" in f for f in failures)
+    early = _sections(tmp_path, ["1. The problem", "2. Memory layout", "3. The idea"])  # before the walkthrough
+    assert any("'2. Memory layout' (a section about the code) is out of order" in f for f in early)
+    moved = _sections(tmp_path, GOOD_ORDER[:-1] + ["10. Measured\n\n### 5.1 Throughput\n\n### 10.2 Memory"])
+    assert [f.split(": ", 1)[1] for f in moved] == ["subsection '5.1 Throughput' should be numbered 10.1"]

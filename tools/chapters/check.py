@@ -25,6 +25,9 @@ yet, against the working tree. Files are read with `git show`, so the default mo
 |             | compare (`--outputs` only)                                            |                   |
 | links       | Previous/Next links to the chapters on either side, and a shell block | links.py          |
 |             | with `git diff stage-<previous> stage-<this>`                         |                   |
+| sections    | Run this chapter, then numbered sections 1..N: the problem, the idea, | sections.py       |
+|             | the walkthrough, Run it, Check yourself, Exercises, Build it          |                   |
+|             | yourself, what the next stage fixes, and Measured last                |                   |
 | data        | a section with a measured number (a rate, a time, a ratio) has a      | data.py           |
 |             | `Data:` line naming files under results/ that reproduce.py wrote      |                   |
 |             | from a command the chapter shows; a block after the line is the       |                   |
@@ -46,6 +49,7 @@ from tools.chapters.doc import REPO, Block, Snapshots, previous_commit, read_doc
 from tools.chapters.excerpts import check_excerpts, match_excerpt
 from tools.chapters.links import check_links
 from tools.chapters.names import check_names
+from tools.chapters.sections import check_sections
 from tools.chapters.words import check_layout, check_marks, check_words, goal_talk
 
 __all__ = ["Snapshots", "check_chapter", "code_blocks", "goal_talk", "main", "match_excerpt", "stage_commits"]
@@ -66,6 +70,7 @@ def check_chapter(chapter: Path, commits: dict[str, str], files: Snapshots) -> l
         + check_marks(doc)
         + check_data(doc)
         + check_links(doc, stage)
+        + check_sections(doc, stage)
     )
 
 
