@@ -302,3 +302,51 @@ def test_missing_misplaced_and_misnumbered_sections_fail(tmp_path):
     assert any("'2. Memory layout' (a section about the code) is out of order" in f for f in early)
     moved = _sections(tmp_path, GOOD_ORDER[:-1] + ["10. Measured\n\n### 5.1 Throughput\n\n### 10.2 Memory"])
     assert [f.split(": ", 1)[1] for f in moved] == ["subsection '5.1 Throughput' should be numbered 10.1"]
+
+
+def _gpu_claims(tmp_path, text: str) -> list[str]:
+    from tools.chapters.gpu_claims import check_gpu_claims
+
+    chapter = tmp_path / "README.md"
+    chapter.write_text(text)
+    return check_gpu_claims(read_document(chapter))
+
+
+@pytest.mark.parametrize(
+    "claim",
+    [
+        "The decode step replays CUDA graphs.",
+        "The attention kernel runs on the GPU.",
+        "On an H100 it takes 7.5 µs.",
+        "The kernel reaches 2.9 TB/s on an H100.",
+        "Split-K is faster on a GPU.",
+        "On CUDA the copies are asynchronous.",
+        "- **Inside a node**: the decode step goes from 4.0 ms to 1.21 ms on 8 GPUs (3.3×).",
+    ],
+)
+def test_a_gpu_result_stated_as_fact_fails(tmp_path, claim):
+    (failure,) = _gpu_claims(tmp_path, f"Some text first.\n\n{claim}\n")
+    assert "README.md:3: a GPU result stated as fact" in failure and claim.split()[1] in failure
+
+
+@pytest.mark.parametrize(
+    "framed",
+    [
+        "The decode step is written to replay CUDA graphs, and has never run on a GPU.",
+        "On an H100 it would take 7.5 µs.",
+        "On paper, the kernel reaches 2.9 TB/s on an H100.",
+        "The kernel runs on the GPU. It is tested in Triton's interpreter; a GPU has not run it.",  # the paragraph
+        "> Never run on a GPU: the kernel runs on the GPU at 80 µs, a bound from the bytes it reads.",  # a banner
+        "### The GPU path (never run on a GPU)\n\nOn CUDA, `Int8Linear` runs two Triton kernels.",  # its heading
+        "A kernel launch on a GPU costs time; `kernel[grid]` runs one copy per grid point (a block on a GPU).",
+    ],
+)
+def test_a_framed_gpu_sentence_passes(tmp_path, framed):
+    assert _gpu_claims(tmp_path, framed + "\n") == []
+
+
+def test_gpu_claims_in_code_are_not_prose(tmp_path):
+    code = "```bash\nPYTHON=python3 ./verify_paged_attention.sh   # runs on the GPU: 80 µs on an H100\n```\n"
+    assert _gpu_claims(tmp_path, code + "The `runs on the GPU` span is code too.\n") == []
+    memory_bound = "Decode is memory-bound, and it runs on the GPU.\n"  # "memory-bound" is not a bound on a number
+    assert _gpu_claims(tmp_path, memory_bound)

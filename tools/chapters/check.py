@@ -28,6 +28,9 @@ yet, against the working tree. Files are read with `git show`, so the default mo
 | sections    | Run this chapter, then numbered sections 1..N: the problem, the idea, | sections.py       |
 |             | the walkthrough, Run it, Check yourself, Exercises, Build it          |                   |
 |             | yourself, what the next stage fixes, and Measured last                |                   |
+| gpu claims  | no sentence states GPU behaviour as fact ("runs on the GPU", "7.5 µs  | gpu_claims.py     |
+|             | on an H100") unless it or its paragraph says it was never run, is on  |                   |
+|             | paper, written for a GPU, a bound; chapters and README.md             |                   |
 | data        | a section with a measured number (a rate, a time, a ratio) has a      | data.py           |
 |             | `Data:` line naming files under results/ that reproduce.py wrote      |                   |
 |             | from a command the chapter shows; a block after the line is the       |                   |
@@ -47,6 +50,7 @@ from pathlib import Path
 from tools.chapters.data import check_data, sync
 from tools.chapters.doc import REPO, Block, Snapshots, previous_commit, read_document, stage_commits
 from tools.chapters.excerpts import check_excerpts, match_excerpt
+from tools.chapters.gpu_claims import check_gpu_claims
 from tools.chapters.links import check_links
 from tools.chapters.names import check_names
 from tools.chapters.sections import check_sections
@@ -71,6 +75,7 @@ def check_chapter(chapter: Path, commits: dict[str, str], files: Snapshots) -> l
         + check_data(doc)
         + check_links(doc, stage)
         + check_sections(doc, stage)
+        + check_gpu_claims(doc)
     )
 
 
@@ -114,6 +119,7 @@ def main(argv: list[str]) -> int:
     if not args.chapters:
         readme = read_document(REPO / "README.md")
         failures += check_words(readme) + check_marks(readme) + check_layout(readme) + check_data(readme)
+        failures += check_gpu_claims(readme)
     excerpts = sum(1 for c in chapters for b in code_blocks(c) if b.excerpt_of)
     for failure in failures:
         print(failure)
