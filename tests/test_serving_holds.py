@@ -26,6 +26,7 @@ from roseinfer import LLMEngine, SamplingParams
 from roseinfer.entrypoints import allocator
 from roseinfer.entrypoints.async_engine import AsyncLLMEngine
 from roseinfer.entrypoints.cli import serve_parser
+from roseinfer.entrypoints.openai.serving_engine import ClientDisconnected, until_disconnect
 
 DURATION_S = 12.0
 CLIENTS = 16
@@ -170,6 +171,34 @@ def test_request_timeout_refuses_what_is_not_a_positive_number_of_seconds(value,
     assert "argument --request-timeout:" in capsys.readouterr().err
     assert parser.parse_args([]).request_timeout is None  # no limit by default
     assert parser.parse_args(["--request-timeout", "2.5"]).request_timeout == 2.5
+
+
+def test_until_disconnect_sleeps_until_the_disconnect_message_and_then_cancels_the_work():
+    """A request waiting for its answer costs the event loop nothing until its client leaves: one `receive()`
+    asleep per request (no polling), and the work cancelled when `http.disconnect` comes."""
+
+    class Client:  # the ASGI side of one request whose body was read: receive() answers only at a disconnect
+        def __init__(self):
+            self.gone, self.receives = asyncio.Event(), 0
+
+        async def receive(self):
+            self.receives += 1
+            await self.gone.wait()
+            return {"type": "http.disconnect"}
+
+    async def scenario():
+        client = Client()
+        assert await until_disconnect(client, asyncio.sleep(0.01, "answer")) == "answer"
+        work = asyncio.ensure_future(asyncio.sleep(60))
+        waiting = asyncio.ensure_future(until_disconnect(client, work))
+        await asyncio.sleep(0.3)
+        assert client.receives == 2 and not waiting.done()  # one receive() per call, asleep: nothing polled
+        client.gone.set()
+        with pytest.raises(ClientDisconnected):
+            await waiting
+        assert work.cancelled()  # the engine's requests would be aborted now
+
+    asyncio.run(scenario())
 
 
 # ---- the allocator ------------------------------------------------------------------------------------------------

@@ -201,16 +201,31 @@ async def chain(first, rest: AsyncIterator) -> AsyncIterator:
         yield item
 
 
+async def listen_for_disconnect(request: Request) -> None:
+    """Return when the client disconnects (vLLM's name). Once the body is read, the ASGI server's next message is
+    `http.disconnect`, sent only then: one task asleep per request, woken once."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def until_disconnect(request: Request, awaitable):
     """Await, but give up (cancelling it, which aborts the requests) if the client disconnects meanwhile:
-    a handler that is not streaming yet is not cancelled by the server when its client goes away."""
+    a handler that is not streaming yet is not cancelled by the server when its client goes away.
+
+    The disconnect is awaited (`listen_for_disconnect`), not polled: polling `request.is_disconnected()` every
+    0.1 s cost the event loop ten wake-ups a second per request, 10,000 a second with 1,000 requests queued under
+    overload, and /health and /metrics waited behind them."""
     task = asyncio.ensure_future(awaitable)
-    while not task.done():
-        await asyncio.wait([task], timeout=0.1)
-        if not task.done() and await request.is_disconnected():
+    watcher = asyncio.ensure_future(listen_for_disconnect(request))
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():  # the client left (or this handler is being cancelled): stop, abort the requests
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            raise ClientDisconnected
+    if task.cancelled():
+        raise ClientDisconnected
     try:
         return task.result()
     except APIError:
