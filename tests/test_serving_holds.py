@@ -201,6 +201,42 @@ def test_until_disconnect_sleeps_until_the_disconnect_message_and_then_cancels_t
     asyncio.run(scenario())
 
 
+# ---- the overload measurement ---------------------------------------------------------------------------------
+def test_the_overload_script_counts_every_answer_and_sees_the_server_back_to_idle(tmp_path):
+    """benchmarks/serving/overload.py for a few seconds: a server capped at 4 running and 4 waiting requests is
+    offered 4 x 10 req/s of streamed completions; its answers are 200s and 503s with Retry-After only, /health and
+    /metrics answered all along, and afterwards the gauges are back to 0. (The "full rate again" check compares two
+    2-second windows on a shared machine: recorded, not asserted.)"""
+    from benchmarks.serving import overload
+
+    out = tmp_path / "overload.json"
+    argv = ["--capacity", "10", "--factor", "4", "--duration", "3", "--check-duration", "2", "--grace", "30",
+            "--threads", "1", "--kv-cache-mib", "16", "--max-num-seqs", "4", "--max-waiting", "4",
+            "--input-len", "4", "8", "--output-len", "32", "64", "--log", str(tmp_path / "server.log"),
+            "--json", str(out)]  # fmt: skip
+    status = overload.main(argv)
+    rec = json.loads(out.read_text())
+    assert status == (0 if rec["holds"] else 1)
+    assert rec["command"] == ["python", "benchmarks/serving/overload.py", *argv] and rec["environment"]["cpu"]
+    assert rec["capacity"] == {"req_s": 10.0, "measured": False, "rows": []} and rec["overload"]["rate"] == 40.0
+    st = rec["overload"]["statuses"]
+    assert sum(st["by_status"].values()) == rec["overload"]["row"]["sent"] > 60  # every request was answered
+    assert set(st["by_status"]) == {"200", "503"} and st["503_with_retry_after"] == st["by_status"]["503"]
+    checks = rec["checks"]
+    assert set(checks) == {"no_5xx_but_503", "every_503_has_retry_after", "no_broken_stream", "gauges_back_to_zero",
+                           "kv_blocks_all_free", "full_rate_again"}  # fmt: skip
+    assert all(ok for name, ok in checks.items() if name != "full_rate_again"), checks
+    assert rec["settle"]["gauges"] == {"running": 0.0, "waiting": 0.0, "kv_cache_usage_perc": 0.0}
+    for path in ("health", "metrics"):
+        for phase in overload.PHASES:
+            s = rec["poll"][path][phase]
+            assert set(s) == {"count", "failed", "p50_ms", "p99_ms", "max_ms"} and s["failed"] == 0
+        assert rec["poll"][path]["overload"]["count"] >= 20  # every 50 ms for 3 s and more
+    assert rec["poll"]["peak_during_overload"]["waiting"] is not None
+    for name in ("before", "after"):
+        assert {"achieved_output_tok_s", "p99_ttft_ms", "sustained"} <= set(rec[name])
+
+
 # ---- the allocator ------------------------------------------------------------------------------------------------
 def test_the_allocator_choice_and_its_errors(monkeypatch):
     assert allocator.find_allocator("system") is None
