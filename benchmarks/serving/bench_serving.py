@@ -83,6 +83,8 @@ class RequestResult:
     latency: float = 0.0  # end - send_time
     output_tokens: int = 0  # usage.completion_tokens if the server sent it, else the number of text chunks
     error: str = ""
+    status: int | None = None  # the HTTP status (None: no answer came: refused connection, or cut before it)
+    retry_after: str | None = None  # the answer's Retry-After header (a 503 that says when to come back)
 
 
 def make_prompt(rng: random.Random, length: int, prompt_kind: str) -> str | list[int]:
@@ -119,10 +121,13 @@ def make_client(max_connections: int | None = None) -> httpx.AsyncClient:
     return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None))
 
 
-async def _stream_one(client: httpx.AsyncClient, url: str, body: dict, chunk_times: list[float]) -> int | None:
-    """Send one streaming request, append the arrival time of every text chunk; return usage's token count."""
+async def _stream_one(client: httpx.AsyncClient, url: str, body: dict, chunk_times: list[float],
+                      res: RequestResult) -> int | None:  # fmt: skip
+    """Send one streaming request, note its status, append the arrival time of every text chunk; return usage's
+    token count."""
     usage_tokens: int | None = None
     async with client.stream("POST", url, json=body) as resp:
+        res.status, res.retry_after = resp.status_code, resp.headers.get("retry-after")
         if resp.status_code != 200:
             text = (await resp.aread()).decode(errors="replace")
             raise RuntimeError(f"HTTP {resp.status_code}: {text[:300]}")
@@ -172,7 +177,7 @@ async def send_request(
     chunk_times: list[float] = []
     res.send_time = time.perf_counter()
     try:
-        usage_tokens = await asyncio.wait_for(_stream_one(client, url, body, chunk_times), timeout)
+        usage_tokens = await asyncio.wait_for(_stream_one(client, url, body, chunk_times, res), timeout)
         res.ok = True
     except asyncio.TimeoutError:
         res.error = f"timeout after {timeout:g} s"
@@ -356,12 +361,8 @@ def main() -> int:
     ap.add_argument("--prompt-kind", choices=("text", "ids"), default="text")
     ap.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    ap.add_argument(
-        "--no-ignore-eos",
-        dest="ignore_eos",
-        action="store_false",
-        help="leave out ignore_eos (for servers that reject unknown fields; outputs may then end early)",
-    )
+    ap.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="leave out ignore_eos (for "
+                    "servers that reject unknown fields; outputs may then end early)")  # fmt: skip
     ap.add_argument("--label", default="", help="a name for this run, printed in the report")
     ap.add_argument("--json", type=Path, default=None, help="also write the report (with per-request data) here")
     args = ap.parse_args()
@@ -373,30 +374,13 @@ def main() -> int:
             ap.error(f"--{name.replace('_', '-')} needs 1 <= MIN <= MAX")
 
     model = args.model or get_default_model(args.base_url)
-    prompts, output_lens = make_requests(
-        args.num_requests, tuple(args.input_len), tuple(args.output_len), args.seed, args.prompt_kind
-    )
-    report = asyncio.run(
-        run_benchmark(
-            args.base_url,
-            model,
-            prompts,
-            output_lens,
-            args.request_rate,
-            args.seed,
-            max_concurrency=args.max_concurrency,
-            timeout=args.timeout,
-            ignore_eos=args.ignore_eos,
-        )
-    )
-    report.update(
-        label=args.label,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        seed=args.seed,
-        prompt_kind=args.prompt_kind,
-        ignore_eos=args.ignore_eos,
-    )
+    prompts, output_lens = make_requests(args.num_requests, tuple(args.input_len), tuple(args.output_len), args.seed,
+                                         args.prompt_kind)  # fmt: skip
+    report = asyncio.run(run_benchmark(args.base_url, model, prompts, output_lens, args.request_rate, args.seed,
+                                       max_concurrency=args.max_concurrency, timeout=args.timeout,
+                                       ignore_eos=args.ignore_eos))  # fmt: skip
+    report.update(label=args.label, input_len=args.input_len, output_len=args.output_len, seed=args.seed,
+                  prompt_kind=args.prompt_kind, ignore_eos=args.ignore_eos)  # fmt: skip
     print(format_report(report))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

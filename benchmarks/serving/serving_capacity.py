@@ -33,7 +33,6 @@ achieved against offered output tok/s and p99 TTFT against rate.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import importlib.metadata
 import json
@@ -46,7 +45,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from benchmarks.common import free_port
-from benchmarks.serving.bench_serving import json_safe, make_client, send_request
+from benchmarks.serving.bench_serving import json_safe
 from benchmarks.serving.serving_peers import (
     BUNDLED,
     ENGINES,
@@ -55,7 +54,7 @@ from benchmarks.serving.serving_peers import (
     missing_peer,
     server_spec,
 )
-from benchmarks.serving.serving_window import Criteria, Workload, capacity, judge, next_rate, run_window, window_row
+from benchmarks.serving.serving_window import Criteria, Workload, capacity, hold_rate, sweep, warm_up
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "results" / "19-openai-serving"
@@ -72,15 +71,6 @@ def environment(cfg: ServerConfig) -> dict:
             "torch": importlib.metadata.version("torch"), "platform": platform.platform()}  # fmt: skip
 
 
-async def probe(base_url: str, model: str, timeout: float) -> float:
-    """One 4-token request; returns its latency. It waits behind whatever the server still has queued."""
-    async with make_client() as client:
-        res = await send_request(client, base_url, model, "the king", 4, timeout, ignore_eos=False)
-    if not res.ok:
-        raise RuntimeError(f"probe request failed: {res.error}")
-    return res.latency
-
-
 def measure_engine(engine: str, cfg: ServerConfig, rates: list[float], args, log_dir: Path) -> dict:
     """Start `engine`, sweep `rates` upwards until one is not sustained, search, stop it. Returns its record."""
     port = free_port()
@@ -95,32 +85,16 @@ def measure_engine(engine: str, cfg: ServerConfig, rates: list[float], args, log
         record["startup_s"] = server.startup_s
         print(f"\n[{engine}] {spec.version} up in {server.startup_s:.0f} s on {server.base_url}; KV {spec.kv}",
               flush=True)  # fmt: skip
-        warm = asyncio.run(run_window(server.base_url, spec.model, 4.0, 2.0, 60.0, wl, spec.ignore_eos))
-        if bad := [s.result.error for s in warm if not s.result.ok]:
-            raise RuntimeError(f"{engine}: warm-up requests failed: {bad[:3]}")
+        warm_up(server.base_url, spec.model, wl, spec.ignore_eos, engine)
 
         def measure(rate: float) -> dict:
-            load = os.getloadavg()[0]
-            sent = asyncio.run(run_window(server.base_url, spec.model, rate, args.duration, args.grace, wl,
-                                          spec.ignore_eos))  # fmt: skip
-            row = window_row(sent, rate, args.duration, args.warmup_frac * args.duration, args.grace)
-            row["settle_s"] = asyncio.run(probe(server.base_url, spec.model, args.settle_timeout))
-            row["loadavg_at_start"] = load
-            row["why_not"] = judge(row, crit)
-            row["sustained"] = not row["why_not"]
-            rows.append(row)
+            row = hold_rate(server.base_url, spec.model, rate, args.duration, args.warmup_frac, args.grace,
+                            args.settle_timeout, wl, crit, spec.ignore_eos)  # fmt: skip
             print(format_row(engine, row), flush=True)
             return row
 
         try:
-            for rate in sorted(rates):
-                if not measure(rate)["sustained"] and not args.full_sweep:
-                    break
-            for _ in range(args.search_steps):
-                rate = next_rate(rows, args.resolution)
-                if rate is None or any(r["rate"] == rate for r in rows):
-                    break
-                measure(rate)
+            sweep(measure, rates, args.search_steps, args.resolution, args.full_sweep, rows)
         except RuntimeError as e:  # the probe failed: the server is wedged; keep what was measured
             record["error"] = str(e)[:2000]
             print(f"  {engine}: stopped: {e}", flush=True)

@@ -39,15 +39,18 @@ Sustained, all three must hold (`Criteria`; the bound is part of every result):
 Capacity: the highest measured rate r such that every measured rate <= r is sustained (a noisy pass above a
 failure is reported, not believed). `next_rate` picks the next rate to try so that capacity gets bracketed
 and then narrowed: twice the highest rate if all passed, half the lowest if none did, else the midpoint of
-the bracket until hi / lo <= 1 + resolution.
+the bracket until hi / lo <= 1 + resolution; `sweep` runs that search with a function that measures one rate,
+such as `hold_rate` (one window judged, then a probe that waits until the server is idle again).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from benchmarks.common import percentile
@@ -241,3 +244,52 @@ def next_rate(rows: list[dict], resolution: float = 0.1) -> float | None:
     if hi <= lo * (1 + resolution) or not lo < mid < hi:
         return None
     return mid
+
+
+def sweep(measure: Callable[[float], dict], rates: list[float], search_steps: int, resolution: float = 0.1,
+          full_sweep: bool = False, rows: list[dict] | None = None) -> list[dict]:  # fmt: skip
+    """Measure `rates` upwards until one is not sustained (every one with `full_sweep`), then up to `search_steps`
+    more rates that `next_rate` picks. `measure(rate)` returns a row with "rate" and "sustained"; each row is
+    appended to `rows` (returned) as soon as it is measured, so a caller whose `measure` raises keeps the others."""
+    rows = [] if rows is None else rows
+    for rate in sorted(rates):
+        rows.append(measure(rate))
+        if not rows[-1]["sustained"] and not full_sweep:
+            break
+    for _ in range(search_steps):
+        rate = next_rate(rows, resolution)
+        if rate is None or any(r["rate"] == rate for r in rows):
+            break
+        rows.append(measure(rate))
+    return rows
+
+
+async def probe(base_url: str, model: str, timeout: float) -> float:
+    """One 4-token request; returns its latency. It waits behind whatever the server still has queued."""
+    async with make_client() as client:
+        res = await send_request(client, base_url, model, "the king", 4, timeout, ignore_eos=False)
+    if not res.ok:
+        raise RuntimeError(f"probe request failed: {res.error}")
+    return res.latency
+
+
+def warm_up(base_url: str, model: str, workload: Workload, ignore_eos: bool = True, what: str = "the server") -> None:
+    """Two seconds at 4 req/s (buffers, allocator pools, the first batches); RuntimeError if a request fails."""
+    warm = asyncio.run(run_window(base_url, model, 4.0, 2.0, 60.0, workload, ignore_eos))
+    if bad := [s.result.error for s in warm if not s.result.ok]:
+        raise RuntimeError(f"{what}: warm-up requests failed: {bad[:3]}")
+
+
+def hold_rate(base_url: str, model: str, rate: float, duration: float, warmup_frac: float, grace: float,
+              settle_timeout: float, workload: Workload, criteria: Criteria,
+              ignore_eos: bool = True) -> dict:  # fmt: skip
+    """One window at `rate` (`window_row`, its first `warmup_frac` not measured), judged ("why_not", "sustained"),
+    then a probe that waits until the server is idle again ("settle_s"; RuntimeError if it fails: a wedged server)."""
+    load = os.getloadavg()[0]
+    sent = asyncio.run(run_window(base_url, model, rate, duration, grace, workload, ignore_eos))
+    row = window_row(sent, rate, duration, warmup_frac * duration, grace)
+    row["settle_s"] = asyncio.run(probe(base_url, model, settle_timeout))
+    row["loadavg_at_start"] = load
+    row["why_not"] = judge(row, criteria)
+    row["sustained"] = not row["why_not"]
+    return row

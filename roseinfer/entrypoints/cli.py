@@ -4,6 +4,7 @@
     roseinfer serve --model path/to/gpt2 --port 8001 --max-num-seqs 32 --preemption-mode swap
     roseinfer serve --tensor-parallel-size 2          # the model split across 2 processes
     roseinfer serve --api-key KEY --chat-template chat.jinja --shutdown-timeout 10
+    roseinfer serve --max-waiting 256 --request-timeout 60   # 503 past 256 waiting; 504 past 60 s per request
     roseinfer serve --allocator system                # glibc's malloc (default: tcmalloc/jemalloc if installed)
     roseinfer serve --enable-auto-tool-choice --tool-call-parser hermes   # tool_choice "auto": read the calls
 
@@ -66,6 +67,14 @@ def serve_parser(sub) -> argparse.ArgumentParser:
         help="seconds to finish the requests in flight after Ctrl-C / SIGTERM, before their streams end "
         "with an error event (a second Ctrl-C ends them at once)",
     )
+    p.add_argument(
+        "--request-timeout",
+        type=positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="abort a completion or chat request still unfinished this long after it arrived, freeing its KV "
+        "blocks at once, and answer HTTP 504 (a stream: an error event, then [DONE]); default: no limit",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument(
         "--allocator",
@@ -76,6 +85,18 @@ def serve_parser(sub) -> argparse.ArgumentParser:
     )
     EngineArgs.add_cli_args(p)
     return p
+
+
+def positive_seconds(value: str) -> float:
+    """argparse's `type` for a duration: a finite number of seconds > 0 ("0", "-1", "nan", "inf", "5s" are refused,
+    and argparse names the flag in its error)."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+    if not (0 < seconds < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {value!r}")
+    return seconds
 
 
 def tool_parser_names() -> list[str]:
@@ -123,7 +144,8 @@ def serve(args: argparse.Namespace) -> None:
     engine = LLMEngine.from_config(EngineArgs.from_cli_args(args).create_engine_config())
     app = build_app(AsyncLLMEngine(engine), args.served_model_name or "roseinfer", args.max_waiting,
                     api_key=args.api_key, chat_template=chat_template, tool_parser=tool_parser,
-                    max_request_body_bytes=args.max_request_body_bytes)  # fmt: skip
+                    max_request_body_bytes=args.max_request_body_bytes,
+                    request_timeout=args.request_timeout)  # fmt: skip
     try:
         serve_http(app, args.host, args.port, args.shutdown_timeout)
     finally:

@@ -15,7 +15,9 @@
 
 Around the routes: the API key and the body limit (middleware.py), a JSON reader that refuses what could hurt
 (middleware.py), and one error shape for every failure (errors.py). With `--api-key`, every /v1 route needs
-`Authorization: Bearer KEY`; the others stay open, as in vLLM. Shutting down (launcher.py) drains first.
+`Authorization: Bearer KEY`; the others stay open, as in vLLM. Shutting down (launcher.py) drains first. With
+`--request-timeout S`, a generating request still unfinished S seconds after it arrived is aborted and answered
+504 (serving_engine.py says why 504).
 """
 
 from __future__ import annotations
@@ -52,16 +54,18 @@ from roseinfer.entrypoints.openai.serving_tokenization import OpenAIServingToken
 from roseinfer.entrypoints.openai.tool_parsers import ToolParser
 
 MAX_REQUEST_BODY_BYTES = 10 * 2**20  # 10 MiB: a prompt far longer than any context still fits
-ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)}  # documented in OpenAPI
+ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503, 504)}  # documented in OpenAPI
 
 
 def build_app(engine: AsyncLLMEngine, model_name: str = "roseinfer", max_waiting: int = 1024, *,
               api_key: str | None = None, chat_template: str | None = None,
               tool_parser: type[ToolParser] | None = None,
-              max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES) -> FastAPI:  # fmt: skip
+              max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES,
+              request_timeout: float | None = None) -> FastAPI:  # fmt: skip
     """The app. `max_waiting`: requests that may wait for the engine before new ones get HTTP 503;
     `chat_template`: a Jinja template that replaces the model's own; `api_key`: required on /v1 routes;
-    `tool_parser`: reads the model's tool calls for tool_choice "auto" (None: "auto" is refused)."""
+    `tool_parser`: reads the model's tool calls for tool_choice "auto" (None: "auto" is refused);
+    `request_timeout`: seconds from a request's arrival after which it is aborted and answered 504 (None: never)."""
     config = engine.engine.config.model_config
     metrics = ServerMetrics(model_name, config.max_model_len, engine.engine.config.speculative_config is not None)
     engine.stat_logger = metrics.record
@@ -80,9 +84,9 @@ def build_app(engine: AsyncLLMEngine, model_name: str = "roseinfer", max_waiting
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)  # added last: runs first, before the body is read
-    common = (engine, model_name, max_waiting, state)
-    completion = OpenAIServingCompletion(*common)
-    chat = OpenAIServingChat(*common, chat_template=chat_template, tool_parser=tool_parser)
+    common, limit = (engine, model_name, max_waiting, state), {"request_timeout": request_timeout}
+    completion = OpenAIServingCompletion(*common, **limit)
+    chat = OpenAIServingChat(*common, chat_template=chat_template, tool_parser=tool_parser, **limit)
     tokenization = OpenAIServingTokenization(*common, chat=chat)
 
     @app.get("/health")

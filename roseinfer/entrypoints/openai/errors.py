@@ -11,6 +11,7 @@ every failure, not only for the ones a route raises itself:
     FastAPI: the body does not fit the model    400 (FastAPI says 422; OpenAI and vLLM say 400), naming the field
     Starlette: no such path / method            404 / 405 (with its Allow header)
     the middleware (middleware.py)              401 (API key), 413 (body too large), 400 (bad JSON)
+    the request's deadline (serving_engine.py)  504, with --request-timeout
     anything else                               500, still this JSON: never a plain-text "Internal Server Error"
 
 The JSON is written with ASCII escapes: a message that quotes the client's own text can never fail to encode.
@@ -34,11 +35,13 @@ logger = logging.getLogger("roseinfer.server")
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
                404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError",
                415: "UnsupportedMediaTypeError", 422: "UnprocessableEntityError", 429: "RateLimitError",
-               499: "ClientClosedRequest", 500: "InternalServerError", 503: "ServiceUnavailableError"}  # fmt: skip
+               499: "ClientClosedRequest", 500: "InternalServerError", 503: "ServiceUnavailableError",
+               504: "GatewayTimeoutError"}  # fmt: skip
 
 
 class APIError(HTTPException):
-    """An error for the client (4xx), or a refusal for now (503), in OpenAI's shape. An HTTPException, so that
+    """An error for the client (4xx), a refusal for now (503) or a deadline passed (504), in OpenAI's shape. An
+    HTTPException, so that
     FastAPI passes it on unchanged even when it is raised while the body is being read."""
 
     def __init__(self, status: int, message: str, param: str | None = None, err_type: str | None = None,
