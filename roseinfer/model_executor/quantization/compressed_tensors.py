@@ -25,10 +25,16 @@ CompressedTensorsWNA16), weights "strategy": "channel" (the W8A16 preset up to c
     <layer>.weight_shape   int64 [2]                  (out, in): what the unpacking trims to
     <layer>.weight_scale   [out, 1] or [out, in / group_size], the model's float dtype
 
+GPT-2's checkpoints store c_attn, c_proj and c_fc as transformers' `Conv1D`, weight [in, out]. Its quantized
+directories keep the layout vLLM's GPT-2 loader reads: it transposes every c_attn/c_proj/c_fc tensor whose name
+ends in `.weight`, and nothing else. So W8A8's int8 `weight` is stored [in, out] like the float one, while
+`weight_scale` [out, 1], `input_scale` [1] and W8A16's `weight_packed` [out, ceil(in / 4)] + `weight_shape`
+(out, in) are stored as for any Linear (gpt2.py's `convert_state_dict` follows the same rule).
+
 Everything else (AWQ, GPTQ's own format, fp8, int4, per-tensor weight scales, asymmetric zero points,
 activation-ordered groups with a `weight_g_idx`, a quantized KV cache, unpacked weight-only int8) is refused
-by name: `parse_quantization_config` is called from the config check of the Llama family (llama_config.py),
-so a checkpoint we cannot run fails before any weight is read.
+by name: `parse_quantization_config` is called from the config check of each family (llama_config.py,
+hf_config.py for GPT-2), so a checkpoint we cannot run fails before any weight is read.
 """
 
 from __future__ import annotations
@@ -45,7 +51,13 @@ from roseinfer.model_executor.quantization.int8_linear import Int8Linear, Int8We
 SUPPORTED = ("compressed-tensors W8A8 int8 (weights int8 symmetric per channel, activations int8 symmetric "
              "dynamic per token or static per tensor, format 'int-quantized') and W8A16 int8 (weights int8 "
              "symmetric per channel or per group, activations float, format 'pack-quantized')")  # fmt: skip
-QUANTIZED_PROJS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the last names of a decoder layer's linears in a checkpoint: the Llama family's seven, then GPT-2's three
+QUANTIZED_PROJS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                   "c_attn", "c_proj", "c_fc")  # fmt: skip
+# layer 0's linears under their checkpoint names, per family: what an `ignore` entry may not name
+LLAMA_LINEARS = tuple(f"model.layers.0.{'self_attn' if p[0] in 'qkvo' else 'mlp'}.{p}" for p in QUANTIZED_PROJS[:7])
+GPT2_LINEARS = ("transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_fc",
+                "transformer.h.0.mlp.c_proj")  # fmt: skip
 FORMATS = {"W8A8": "int-quantized", "W8A16": "pack-quantized"}
 
 
@@ -108,8 +120,9 @@ def _parse_group(where: str, group) -> Int8QuantConfig:
     return Int8QuantConfig(scheme="W8A16", group_size=g)
 
 
-def parse_quantization_config(qc) -> Int8QuantConfig:
-    """config.json's `quantization_config` -> Int8QuantConfig, or a ValueError naming the field we cannot run."""
+def parse_quantization_config(qc, linears: tuple[str, ...] = LLAMA_LINEARS) -> Int8QuantConfig:
+    """config.json's `quantization_config` -> Int8QuantConfig, or a ValueError naming the field we cannot run.
+    `linears`: the family's decoder linears (LLAMA_LINEARS, GPT2_LINEARS), none of which `ignore` may name."""
     if not isinstance(qc, dict):
         _refuse("", qc, "an object")
     if qc.get("quant_method") != "compressed-tensors":
@@ -133,10 +146,9 @@ def parse_quantization_config(qc) -> Int8QuantConfig:
     ignore = qc.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
         _refuse("ignore", ignore, "a list of module names")
-    probes = [f"model.layers.0.{'self_attn' if p[0] in 'qkvo' else 'mlp'}.{p}" for p in QUANTIZED_PROJS]
     for entry in ignore:  # the head may stay float (it is never quantized here); a decoder linear may not
         if entry.startswith("re:"):
-            ok = re.fullmatch(entry[3:], "lm_head") and not any(re.fullmatch(entry[3:], p) for p in probes)
+            ok = re.fullmatch(entry[3:], "lm_head") and not any(re.fullmatch(entry[3:], p) for p in linears)
         else:
             ok = entry == "lm_head"
         if not ok:
@@ -185,9 +197,10 @@ def process_weights_after_loading(model: nn.Module) -> None:
 
 def check_quantized_state_dict(sd: dict[str, torch.Tensor], quant: Int8QuantConfig) -> dict[str, torch.Tensor]:
     """Every decoder linear's `weight` must be int8 with its `weight_scale` (and `input_scale` when static);
-    W8A16's `weight_packed` int32 + `weight_shape` are unpacked into that int8 `weight` here, before the
-    model's own renaming fuses q/k/v. Zero points (symmetric: all zeros) are dropped. Returns the state dict
-    the model loads."""
+    W8A16's `weight_packed` int32 + `weight_shape` are unpacked into that int8 `weight` [out, in] here, before
+    the model's own renaming (Llama fuses q/k/v; GPT-2 transposes the `.weight`s stored as Conv1D, which an
+    unpacked weight never was). Zero points (symmetric: all zeros) are dropped. Returns the state dict the
+    model loads."""
     out = {}
     for name, t in sd.items():
         prefix, _, leaf = name.rpartition(".")
