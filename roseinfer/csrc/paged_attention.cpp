@@ -36,6 +36,7 @@
 #include <type_traits>
 #include <vector>
 
+namespace {  // internal linkage: a second build of this file (bench_attention's old kernel) cannot clash with it
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t N = Vec::size();  // floats per vector register: 16 with AVX-512
 constexpr int64_t kChunk = 256;     // tokens whose scores one item keeps at a time (S is [R, kChunk])
@@ -328,8 +329,8 @@ void prefill(const T* q, const P* k, const P* v, const I* table, T* out, int64_t
   });
 }
 
-static void check_pools(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& table, const at::Tensor& lens) {
+void check_pools(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& table, const at::Tensor& lens) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.is_contiguous() && k_cache.is_contiguous() &&
               v_cache.is_contiguous() && table.is_contiguous() && lens.is_contiguous());
   TORCH_CHECK(table.scalar_type() == lens.scalar_type(), "block tables and seq_lens must share one dtype");
@@ -385,6 +386,7 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
   });
   return out;
 }
+}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(roseinfer, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
