@@ -36,3 +36,19 @@ def test_the_extension_runs_on_torchs_threads():
         assert int(torch.ops.roseinfer.parallel_threads(64)) == 1
     finally:
         torch.set_num_threads(2)
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_path):
+    """A build killed half-way leaves torch's lock file; every later process would wait on it forever."""
+    build = tmp_path / "roseinfer_ops_0123456789ab"
+    assert not custom_ops.clear_stale_lock(build)  # no folder yet
+    build.mkdir()
+    (build / "build.ninja").write_text("")
+    (build / "lock").write_text("")
+    newest = max(p.stat().st_mtime for p in build.iterdir())
+    assert not custom_ops.clear_stale_lock(build, now=newest + 60)  # a build writing files: its lock stays
+    assert (build / "lock").exists()
+    with pytest.warns(UserWarning, match="left by a build that stopped"):
+        assert custom_ops.clear_stale_lock(build, now=newest + custom_ops.STALE_LOCK_SECONDS + 1)
+    assert not (build / "lock").exists() and (build / "build.ninja").exists()
+    assert not custom_ops.clear_stale_lock(build, now=newest + 10 * custom_ops.STALE_LOCK_SECONDS)  # no lock
