@@ -41,8 +41,7 @@ ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "Permiss
 
 class APIError(HTTPException):
     """An error for the client (4xx), a refusal for now (503) or a deadline passed (504), in OpenAI's shape. An
-    HTTPException, so that
-    FastAPI passes it on unchanged even when it is raised while the body is being read."""
+    HTTPException, so that FastAPI passes it on unchanged even when it is raised while the body is being read."""
 
     def __init__(self, status: int, message: str, param: str | None = None, err_type: str | None = None,
                  headers: dict[str, str] | None = None):  # fmt: skip
