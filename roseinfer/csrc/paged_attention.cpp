@@ -4,123 +4,41 @@
 // Pools are [num_blocks, block_size, Hkv, D]; query head h = j * G + g reads K/V head j (G = H / Hkv).
 //
 // Both ops cut their work into items, run in parallel by at::parallel_for, and run each item through `attend`:
-// R query rows that read ONE K/V head j of ONE sequence (a decode: the G heads of the group; a prefill chunk:
-// some of its tokens x the G heads), over a range of that sequence's tokens, in chunks of kChunk tokens:
+// R query rows of ONE sequence (a decode: all H heads, so a token's Hkv rows of D, side by side in the pool, are
+// one read; a prefill chunk: some of its tokens x the G heads of K/V head j), over a range of that sequence's
+// tokens, in chunks of kChunk tokens (per K/V head, for the rows that read it):
 //
-//   S[R, n]   = Q[R, D] . K[n, D]^T        each K row loaded once, into registers, for all R rows
+//   S[R, n]   = Q[R, D] . K[n, D]^T        a K row loaded once per RB rows, whose q stay in registers
 //   m'        = max(m, rowmax S)           online softmax: acc and l rescaled by exp(m - m')
 //   P[R, n]   = exp(S - m')                Vectorized<float>::exp_u20, 16 tokens at a time
-//   acc[R, D] += P[R, n] . V[n, D]         each V row loaded once, R rows of FMAs over D
+//   acc[R, D] += P[R, n] . V[n, D]         a V row loaded once per RB rows, whose acc stay in registers
 //   l[R]     += rowsum P
 //
-// and the output row is acc / l. A decode with few (sequence, K/V head) pairs for the threads splits each
-// sequence into chunks of kSplit tokens, items of their own, and merges their (acc, m, l) by log-sum-exp.
+// and the output row is acc / l. A decode with fewer sequences than 2 x threads cuts each into chunks of
+// tokens, items of their own, and merges their (acc, m, l) by log-sum-exp.
 // fp16/bf16 pools are converted to fp32 as they are loaded; so are fp8 (e4m3) pools, whatever q's dtype
 // (kv_cache_dtype="fp8", roseinfer/attention/fp8_kv.py); every sum is fp32.
-#include <ATen/ATen.h>
-#include <c10/util/Float8_e4m3fn.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-#define CPU_CAPABILITY_AVX512  // at::vec's 512-bit Vectorized (16 floats) on this -march=native build
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY_AVX2
-#endif
-#define CPU_CAPABILITY roseinfer_attention  // our own namespace for at::vec's inline code: no clash with ATen's
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
+#include "paged_attention_vec.h"  // first: it sets at::vec's width
+
 #include <torch/library.h>
 
 #include <algorithm>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 namespace {  // internal linkage: a second build of this file (bench_attention's old kernel) cannot clash with it
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t N = Vec::size();  // floats per vector register: 16 with AVX-512
 constexpr int64_t kChunk = 256;     // tokens whose scores one item keeps at a time (S is [R, kChunk])
-constexpr int64_t kSplit = 256;     // a decode's context chunk when sequences are split over threads
+constexpr int64_t kMinSplit = 32;   // a decode's shortest context chunk when sequences are split over threads
 constexpr int64_t kMaxD = 512;      // head sizes up to this: a K or V row is kMaxD / N registers
 constexpr int64_t kRows = 32;       // query rows per prefill item (tokens x G heads)
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-using Fp8 = c10::Float8_e4m3fn;
-
-#if defined(CPU_CAPABILITY_AVX512)
-// 16 e4m3 bytes -> 16 floats: the 7 bits after the sign, moved up by 20, are a float with e4m3's exponent field
-// and mantissa at the top of fp32's mantissa; times 2^(127 - 7) rebias the exponent, which also makes e4m3's
-// subnormals (exponent 0) exact. Then the sign. (0x7F, e4m3's NaN, reads as 480: writes saturate, never NaN.)
-inline Vec load_fp8(const Fp8* p, int64_t n) {
-  const __m128i bytes = n == N ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))
-                               : _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << n) - 1), p);
-  const __m512i x = _mm512_cvtepu8_epi32(bytes);  // [16] int32, one byte each
-  const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x7F)), 20);
-  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
-  const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(0x1p120f));
-  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
-}
-#endif
-
-template <typename T>  // n <= N elements of a K/V/q row as fp32, zeros after them
-inline Vec load(const T* p, int64_t n) {
-#if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<T, Fp8>) return load_fp8(p, n);
-#endif
-  if constexpr (std::is_same_v<T, float>) {
-    return n == N ? Vec::loadu(p) : Vec::loadu(p, n);
-  } else {
-    Vec out;
-    if constexpr (at::vec::is_reduced_floating_point_v<T>) {
-      if (n == N) {
-        at::vec::load_to_float<T>(p, out);  // bf16/fp16 -> fp32, in registers
-        return out;
-      }
-    }
-    {  // a row's tail (D not a multiple of N), or a double pool
-      float tmp[N] = {};
-      for (int64_t i = 0; i < n; ++i) tmp[i] = static_cast<float>(p[i]);
-      out = Vec::loadu(tmp);
-    }
-    return out;
-  }
-}
-
-// Lane i of the result = the sum of v[i]'s N lanes: N dot products finished at once. With AVX-512, a tree of
-// shuffles and adds (45 instructions for 16 sums) instead of a horizontal sum per vector (~8 each).
-inline Vec sum_lanes(const Vec* v) {
-#if defined(CPU_CAPABILITY_AVX512)
-  __m512 c[8], e[4], f[2];
-  for (int i = 0; i < 8; ++i) {  // 32-bit pairs: each 128-bit lane of c[i] holds 2-element sums of v[2i], v[2i+1]
-    __m512 a = v[2 * i], b = v[2 * i + 1];
-    c[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  }
-  for (int i = 0; i < 4; ++i) {  // 64-bit pairs: lane k of e[i] = 4-element sums of v[4i .. 4i+3] in lane k
-    __m512d a = _mm512_castps_pd(c[2 * i]), b = _mm512_castps_pd(c[2 * i + 1]);
-    e[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  for (int i = 0; i < 2; ++i)  // 128-bit lanes added pairwise: 0+1, 2+3
-    f[i] = _mm512_add_ps(_mm512_shuffle_f32x4(e[2 * i], e[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(e[2 * i], e[2 * i + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(f[0], f[1], 0x88), _mm512_shuffle_f32x4(f[0], f[1], 0xDD));
-#else
-  float s[N];
-  for (int64_t i = 0; i < N; ++i) s[i] = at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, v[i]);
-  return Vec::loadu(s);
-#endif
-}
-
-template <typename T>  // ask for a row's cache lines ahead of use: blocks are scattered, the prefetcher can't guess
-inline void prefetch(const T* p, int64_t D) {
-  for (int64_t i = 0; i < D * int64_t(sizeof(T)); i += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + i);
-}
-
 template <typename T, typename I>
-struct KV {  // one sequence's K/V head j, read through its block table
-  const T* k;  // k_cache + j * D: token t's row is at slot(t) * stride
+struct KV {  // one sequence's K/V heads j .. j + heads - 1, read through its block table
+  const T* k;  // k_cache + j * D: token t's rows are at slot(t) * stride, head j + i's i * D after it
   const T* v;
   const I* table;
-  int64_t block_size, stride;  // stride = Hkv * D elements from one slot to the next
+  int64_t block_size, stride, heads;  // stride = Hkv * D elements from one slot to the next
   // off[i] = where token t0 + i's row starts (slot * stride), i < n: one division per call, not one per token
   void rows_at(int64_t t0, int64_t n, int64_t* off) const {
     int64_t b = t0 / block_size, o = t0 % block_size;
@@ -166,30 +84,42 @@ inline void load_q(Rows& rows, float scale, const F& q_row) {
   }
 }
 
-// every row over tokens t0 .. t1-1 of one K/V head (the header's loop). NV = D / N vectors per row when it is a
-// compile-time constant (the common head sizes: the loops over D unroll, rows stay in registers), else 0
+// every row over tokens t0 .. t1-1 (the header's loop); rows [i * R / heads, (i + 1) * R / heads) read head i
+// of kv, so a token's rows of all kv.heads heads, side by side in the pool, are one contiguous read. NV = D / N
+// vectors per row when it is a compile-time constant (common head sizes: loops over D unroll), else 0. Rows go
+// RB at a time, their q (step 1) or acc (step 3) held in registers while the tokens stream past
 template <int64_t NV, typename T, typename I>
 void attend(const KV<T, I>& kv, Rows& rows, int64_t t0, int64_t t1) {
-  const int64_t R = rows.R, D = rows.D, Dv = rows.Dv, nv = NV ? NV : Dv / N;
-  Vec x[NV ? NV : kMaxD / N], y[NV ? NV : kMaxD / N];  // one K row; two V rows
+  constexpr int64_t RB = NV == 0 ? 1 : NV <= 2 ? 8 : NV <= 4 ? 4 : 2, NA = NV ? NV : kMaxD / N;
+  const int64_t R = rows.R, D = rows.D, Dv = rows.Dv, nv = NV ? NV : Dv / N, J = kv.heads, Rj = R / J;
+  Vec a[RB][NA], x[NA];  // RB rows of q or acc; one K or V row
   for (int64_t c0 = t0; c0 < t1; c0 += kChunk) {
     const int64_t n = std::min(kChunk, t1 - c0), ahead = std::min(n + N, t1 - c0);
     kv.rows_at(c0, ahead, rows.off);  // rows.off[i]: token c0 + i's row
-    // 1. S[r, t] = q[r] . k[t]: a tile of N tokens at a time, each K row read once for all R rows
+    // 1. S[r, t] = q[r] . k[t]: a tile of N tokens at a time, each K row read once per RB rows
     for (int64_t tt = 0; tt < n; tt += N) {
       const int64_t nt = std::min(N, n - tt);
       for (int64_t t = 0; t < nt; ++t) {
-        if (tt + t + N < ahead) prefetch(kv.k + rows.off[tt + t + N], D);  // K, a tile ahead
-        prefetch(kv.v + rows.off[tt + t], D);  // V of this token, needed in step 3
-        const T* kp = kv.k + rows.off[tt + t];
-        for (int64_t c = 0; c < nv; ++c) x[c] = load(kp + c * N, std::min(N, D - c * N));
-        for (int64_t r = 0; r < R; ++r) {
-          const float* qr = rows.q + r * Dv;
-          Vec dot = Vec::loadu(qr) * x[0];
-          for (int64_t c = 1; c < nv; ++c) dot = at::vec::fmadd(Vec::loadu(qr + c * N), x[c], dot);
-          rows.part[r * N + t] = dot;  // D/N lanes still to add up
-        }
+        if (tt + t + N < ahead) prefetch(kv.k + rows.off[tt + t + N], J * D);  // K, a tile ahead
+        prefetch(kv.v + rows.off[tt + t], J * D);  // V of this token, needed in step 3
       }
+      for (int64_t i = 0; i < J; ++i)
+        for (int64_t r0 = i * Rj; r0 < (i + 1) * Rj; r0 += RB) {
+          const int64_t rb = std::min(RB, (i + 1) * Rj - r0);
+          for (int64_t r = 0; r < RB; ++r)
+            if (r < rb)
+              for (int64_t c = 0; c < nv; ++c) a[r][c] = Vec::loadu(rows.q + (r0 + r) * Dv + c * N);
+          for (int64_t t = 0; t < nt; ++t) {
+            const T* kp = kv.k + rows.off[tt + t] + i * D;
+            for (int64_t c = 0; c < nv; ++c) x[c] = load(kp + c * N, std::min(N, D - c * N));
+            for (int64_t r = 0; r < RB; ++r) {
+              if (r >= rb) continue;
+              Vec dot = a[r][0] * x[0];
+              for (int64_t c = 1; c < nv; ++c) dot = at::vec::fmadd(a[r][c], x[c], dot);
+              rows.part[(r0 + r) * N + t] = dot;  // D/N lanes still to add up
+            }
+          }
+        }
       for (int64_t r = 0; r < R; ++r) {
         for (int64_t t = nt; t < N; ++t) rows.part[r * N + t] = Vec(0.f);
         sum_lanes(rows.part + r * N).store(rows.s + r * kChunk + tt, nt);  // N scores of row r, no hsum each
@@ -200,11 +130,16 @@ void attend(const KV<T, I>& kv, Rows& rows, int64_t t0, int64_t t1) {
       float* s = rows.s + r * kChunk;
       const int64_t visible = std::clamp<int64_t>(rows.limit[r] - c0, 0, n);  // causal: later tokens masked
       std::fill(s + visible, s + n, -kInf);
-      float m = rows.m[r];
-      for (int64_t t = 0; t < visible; ++t) m = std::max(m, s[t]);
-      if (m == -kInf) continue;  // nothing visible yet (a chunk's row before its first token)
+      Vec mv(rows.m[r]);
+      for (int64_t t = 0; t < visible; t += N) mv = at::vec::maximum(mv, Vec::loadu(s + t, std::min(N, visible - t)));
+      const float m = std::max(rows.m[r], at::vec::vec_reduce_all<float>([](Vec u, Vec w) { return at::vec::maximum(u, w); }, mv));
+      if (m == -kInf) {  // nothing visible yet (a chunk's row before its first token)
+        std::fill(s, s + n, 0.f);
+        continue;
+      }
       const float alpha = std::exp(rows.m[r] - m);
-      Vec sum(0.f), mv(m);
+      Vec sum(0.f);
+      mv = Vec(m);
       for (int64_t t = 0; t < n; t += N) {
         const int64_t nt = std::min(N, n - t);
         Vec p = (Vec::loadu(s + t, nt) - mv).exp_u20();
@@ -212,29 +147,34 @@ void attend(const KV<T, I>& kv, Rows& rows, int64_t t0, int64_t t1) {
         p.store(s + t, nt);
         sum = sum + p;
       }
-      rows.l[r] = rows.l[r] * alpha + at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, sum);
+      rows.l[r] = rows.l[r] * alpha + at::vec::vec_reduce_all<float>([](Vec u, Vec w) { return u + w; }, sum);
       rows.m[r] = m;
       float* acc = rows.acc + r * Dv;
       if (alpha != 1.f)
         for (int64_t d = 0; d < Dv; ++d) acc[d] *= alpha;
     }
-    // 3. acc[r] += P[r, t] * v[t] + P[r, t + 1] * v[t + 1]: each V row read once for all R rows, two at a time
-    for (int64_t t = 0; t < n; t += 2) {
-      const bool two = t + 1 < n;
-      const T* vp = kv.v + rows.off[t];
-      const T* vq = two ? kv.v + rows.off[t + 1] : vp;
-      for (int64_t c = 0; c < nv; ++c) x[c] = load(vp + c * N, std::min(N, D - c * N));
-      for (int64_t c = 0; c < nv; ++c) y[c] = load(vq + c * N, std::min(N, D - c * N));
-      for (int64_t r = 0; r < R; ++r) {
-        const float p = rows.s[r * kChunk + t], p2 = two ? rows.s[r * kChunk + t + 1] : 0.f;
-        if (p == 0.f && p2 == 0.f) continue;  // masked (or underflowed)
-        float* acc = rows.acc + r * Dv;
-        for (int64_t c = 0; c < nv; ++c) {
-          const Vec a = at::vec::fmadd(Vec(p), x[c], Vec::loadu(acc + c * N));
-          at::vec::fmadd(Vec(p2), y[c], a).store(acc + c * N);
+    // 3. acc[r] += P[r, t] * v[t], RB rows' acc in registers: each V row read once per RB rows
+    for (int64_t i = 0; i < J; ++i)
+      for (int64_t r0 = i * Rj; r0 < (i + 1) * Rj; r0 += RB) {
+        const int64_t rb = std::min(RB, (i + 1) * Rj - r0);
+        int64_t tn = 0;  // tokens any of the rows sees (masked ones have P = 0)
+        for (int64_t r = 0; r < rb; ++r) tn = std::max(tn, std::clamp<int64_t>(rows.limit[r0 + r] - c0, 0, n));
+        for (int64_t r = 0; r < RB; ++r)
+          if (r < rb)
+            for (int64_t c = 0; c < nv; ++c) a[r][c] = Vec::loadu(rows.acc + (r0 + r) * Dv + c * N);
+        for (int64_t t = 0; t < tn; ++t) {
+          const T* vp = kv.v + rows.off[t] + i * D;
+          for (int64_t c = 0; c < nv; ++c) x[c] = load(vp + c * N, std::min(N, D - c * N));
+          for (int64_t r = 0; r < RB; ++r) {
+            if (r >= rb) continue;
+            const Vec p(rows.s[(r0 + r) * kChunk + t]);
+            for (int64_t c = 0; c < nv; ++c) a[r][c] = at::vec::fmadd(p, x[c], a[r][c]);
+          }
         }
+        for (int64_t r = 0; r < RB; ++r)
+          if (r < rb)
+            for (int64_t c = 0; c < nv; ++c) a[r][c].store(rows.acc + (r0 + r) * Dv + c * N);
       }
-    }
   }
 }
 
@@ -257,30 +197,33 @@ inline void store_row(T* out, const Rows& rows, int64_t r) {
 template <typename T, typename P, typename I>  // T: q and out; P: the pools' elements (T, or Fp8)
 void decode(const T* q, const P* k, const P* v, const I* tables, const I* lens, T* out, int64_t B, int64_t H,
             int64_t Hkv, int64_t D, int64_t block_size, int64_t width, float scale) {
-  const int64_t G = H / Hkv;
   int64_t max_len = 0;
   for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, lens[b]);
-  // items: (sequence b, K/V head j, context chunk c); C > 1 chunks only when B * Hkv pairs leave threads idle
-  const bool split = B * Hkv < 2 * at::get_num_threads() && max_len > kSplit;
-  const int64_t C = split ? (max_len + kSplit - 1) / kSplit : 1;
-  std::vector<float> partial(split ? B * Hkv * C * G * (D + 2) : 0);  // [B, Hkv, C, G, D + 2]: acc, m, l
-  at::parallel_for(0, B * Hkv * C, 1, [&](int64_t begin, int64_t end) {
+  // items: (sequence b, context chunk c), all H query rows over all Hkv heads (head h = j * G + g reads K/V head
+  // j, so rows are in the order attend wants). When B sequences leave threads idle, each is cut into chunks of
+  // `span` tokens, enough that there are 2 items per thread
+  const int64_t threads = at::get_num_threads(), want = B < 2 * threads ? (2 * threads + B - 1) / B : 1;
+  const int64_t span = std::max((max_len + want - 1) / want, kMinSplit);
+  const bool split = want > 1 && max_len > span;
+  const int64_t C = split ? (max_len + span - 1) / span : 1;
+  std::vector<float> partial(split ? B * C * H * (D + 2) : 0);  // [B, C, H, D + 2]: acc, m, l
+  at::parallel_for(0, B * C, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / (Hkv * C), j = item / C % Hkv, c = item % C, n = lens[b];
-      const int64_t t0 = c * kSplit, t1 = split ? std::min(n, t0 + kSplit) : n;
-      Rows rows = scratch(G, D);
-      std::fill(rows.limit, rows.limit + G, n);  // a decode sees every token
-      load_q<T>(rows, scale, [&](int64_t g) { return q + ((b * H) + j * G + g) * D; });  // [G, D]
-      KV<P, I> kv{k + j * D, v + j * D, tables + b * width, block_size, Hkv * D};
+      const int64_t b = item / C, c = item % C, n = lens[b];
+      const int64_t t0 = c * span, t1 = split ? std::min(n, t0 + span) : n;
+      Rows rows = scratch(H, D);
+      std::fill(rows.limit, rows.limit + H, n);  // a decode sees every token
+      load_q<T>(rows, scale, [&](int64_t h) { return q + (b * H + h) * D; });  // [H, D]
+      KV<P, I> kv{k, v, tables + b * width, block_size, Hkv * D, Hkv};
       if (t0 < t1) run_attend(kv, rows, t0, t1);
-      for (int64_t g = 0; g < G; ++g) {
+      for (int64_t h = 0; h < H; ++h) {
         if (!split) {
-          store_row(out + (b * H + j * G + g) * D, rows, g);
+          store_row(out + (b * H + h) * D, rows, h);
           continue;
         }
-        float* dst = partial.data() + (((b * Hkv + j) * C + c) * G + g) * (D + 2);
-        std::copy(rows.acc + g * rows.Dv, rows.acc + g * rows.Dv + D, dst);
-        dst[D] = rows.m[g], dst[D + 1] = rows.l[g];
+        float* dst = partial.data() + ((b * C + c) * H + h) * (D + 2);
+        std::copy(rows.acc + h * rows.Dv, rows.acc + h * rows.Dv + D, dst);
+        dst[D] = rows.m[h], dst[D + 1] = rows.l[h];
       }
     }
   });
@@ -289,13 +232,13 @@ void decode(const T* q, const P* k, const P* v, const I* tables, const I* lens, 
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(D);
     for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / H, j = bh % H / G, g = bh % G;
-      const float* part = partial.data() + ((b * Hkv + j) * C * G + g) * (D + 2);  // chunk c at + c * G * (D + 2)
+      const int64_t b = bh / H, h = bh % H;
+      const float* part = partial.data() + (b * C * H + h) * (D + 2);  // chunk c at + c * H * (D + 2)
       float M = -kInf, l = 0.f;
-      for (int64_t c = 0; c < C; ++c) M = std::max(M, part[c * G * (D + 2) + D]);
+      for (int64_t c = 0; c < C; ++c) M = std::max(M, part[c * H * (D + 2) + D]);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t c = 0; c < C; ++c) {
-        const float* pc = part + c * G * (D + 2);
+        const float* pc = part + c * H * (D + 2);
         if (pc[D + 1] == 0.f) continue;  // a chunk past this sequence's end
         const float w = std::exp(pc[D] - M);
         l += pc[D + 1] * w;
@@ -322,7 +265,7 @@ void prefill(const T* q, const P* k, const P* v, const I* table, T* out, int64_t
       for (int64_t r = 0; r < rows.R; ++r) rows.limit[r] = ctx + i0 + r / G + 1;  // keys 0 .. its own position
       auto row = [&](int64_t r) { return ((i0 + r / G) * H + j * G + r % G) * D; };
       load_q<T>(rows, scale, [&](int64_t r) { return q + row(r); });
-      KV<P, I> kv{k + j * D, v + j * D, table, block_size, Hkv * D};
+      KV<P, I> kv{k + j * D, v + j * D, table, block_size, Hkv * D, 1};
       run_attend(kv, rows, 0, ctx + i1);
       for (int64_t r = 0; r < rows.R; ++r) store_row(out + row(r), rows, r);
     }
