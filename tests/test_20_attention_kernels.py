@@ -1,7 +1,8 @@
 """Stage 20's CPU attention kernels (roseinfer/csrc/paged_attention.cpp) against the PyTorch reference.
 
-paged_decode: a K/V group at a time, with the context split into 256-token chunks merged by log-sum-exp when
-(sequence, K/V head) pairs are fewer than 2 x threads. paged_prefill: one chunk, causal after its context.
+paged_decode: all K/V heads of a sequence at a time when sequences are at least 2 x threads, else a K/V group at
+a time, with the context split into 256-token chunks merged by log-sum-exp when (sequence, K/V head) pairs are
+fewer than 2 x threads. paged_prefill: one chunk, causal after its context.
 """
 
 from __future__ import annotations
@@ -50,6 +51,15 @@ def test_decode_groups_and_head_sizes(G, D, dtype, threads):
     """Lengths crossing block boundaries (15, 16, 17, 33), one token, and one past a 256-token chunk."""
     threads(2)
     check_decode([1, 15, 16, 17, 33, 300, 7, 64], 2 * G, 2, D, 16, dtype, seed=G + D)
+
+
+@pytest.mark.parametrize(("H", "Hkv", "D"), [(9, 3, 64), (8, 2, 128), (12, 4, 80), (4, 4, 32)])
+def test_a_sequence_or_a_head_per_item(H, Hkv, D, threads):
+    """4 sequences on 2 threads: an item is a sequence, all its heads; 3: an item is one K/V head of one."""
+    threads(2)
+    check_decode([33, 16, 200, 1], H, Hkv, D, 16, torch.float32, seed=H)
+    check_decode([33, 16, 200], H, Hkv, D, 16, torch.float32, seed=H)
+    check_decode([5, 9, 300, 31, 70, 64, 17, 2], H, Hkv, D, 8, torch.bfloat16, seed=D)
 
 
 @pytest.mark.parametrize("n", [257, 700, 2048, 2049])

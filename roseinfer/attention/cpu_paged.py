@@ -4,18 +4,21 @@ The sdpa backend (`sdpa.py`) copies every row's blocks into one contiguous buffe
 only then calls PyTorch's SDPA on it, so the K/V of every context are read, written and read again. These kernels
 walk each sequence's block table instead: every K and V vector is read once, from where the pool holds it.
 
-One loop serves decodes and prefill chunks. Its unit of work is a K/V head j of one sequence and the R query rows
-that read it: a decode's G = H / Hkv query heads of the group (R = G), or a prefill chunk's tokens x G heads:
+One loop serves decodes and prefill chunks. Its unit of work is one sequence and R query rows of it: a decode's H
+query heads over all Hkv K/V heads at once when the batch has sequences enough for the threads, else the G = H / Hkv
+heads of one K/V head j (a decode with few sequences; a prefill chunk, its tokens x G heads). Per K/V head j,
+the rows that read it go through this:
 
     Q [R, D] (fp32, x scale)      K/V head j: token t's row at slot = table[t // bs] * bs + t % bs
          |                         k_cache[slot, j]  [D]   (bf16/fp16 converted to fp32 as loaded)
          v
     for each chunk of 256 tokens:
-      S [R, 256] = Q . K^T        a tile of 16 tokens at a time: each K row loaded ONCE into registers,
-                                  then R rows of FMAs over D  ->  R x 16 vectors of partial sums,
-                                  finished 16 at a time: lane i of sum_lanes(v[0..15]) = sum of v[i]
+      S [R, 256] = Q . K^T        a tile of 16 tokens at a time: up to RB rows' q held in registers, each
+                                  K row loaded ONCE per RB rows, RB rows of FMAs over D  ->  R x 16
+                                  vectors of partial sums, finished 16 at a time: lane i of
+                                  sum_lanes(v[0..15]) = sum of v[i]
       m' = max(m, rowmax S);  P = exp(S - m')          a vector of 16 tokens per exp (exp_u20)
-      acc [R, D] = acc * exp(m - m') + P . V           each V row loaded once, R rows of FMAs over D
+      acc [R, D] = acc * exp(m - m') + P . V           RB rows' acc in registers while the V rows stream past
       l = l * exp(m - m') + rowsum P                   (online softmax, as flash attention)
     out = acc / l
 
@@ -24,11 +27,14 @@ so its cost is the bytes it brings in and the instructions around each FLOP. Loa
 cuts the loads G times (GQA's point: G times fewer bytes than MHA). A dot product over D=64 floats is 4 vector
 FMAs but ends in a horizontal sum (about 8 shuffles and adds) to make one number; finishing 16 dot products
 together with a transpose-and-add tree costs 45 instructions for all 16. The softmax's exp is a vector
-polynomial over 16 scores instead of 16 calls to std::exp.
+polynomial over 16 scores instead of 16 calls to std::exp. The pool is [num_blocks, block_size, Hkv, D]: a
+token's Hkv rows lie side by side, so a decode item that takes all heads reads a block's K (and V) as one
+contiguous run of block_size x Hkv x D values instead of Hkv strided runs of D.
 
-Work is split with at::parallel_for over (sequence, K/V head) pairs. When a decode batch has fewer pairs than
-2 x threads (one long sequence, a small batch), each sequence is also cut into 256-token chunks, items of their
-own (flash-decoding); each chunk keeps its unnormalised (acc, m, l) and a second pass merges them:
+Work is split with at::parallel_for over those items: (sequence) when there are at least 2 x threads of them,
+else (sequence, K/V head) pairs. When even the pairs are fewer than 2 x threads (one long sequence, a small batch),
+each sequence is also cut into 256-token chunks, items of their own (flash-decoding); each chunk keeps its
+unnormalised (acc, m, l) and a second pass merges them:
 
     M = max_c m_c      out = sum_c acc_c * exp(m_c - M) / sum_c l_c * exp(m_c - M)
 

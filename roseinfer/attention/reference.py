@@ -94,11 +94,13 @@ def grouped_decode_reference(
     scale: float,
     chunk: int = 256,  # tokens per tile, as the C++ kernel's kChunk
 ) -> torch.Tensor:  # [B, H, D], dtype of q
-    """The C++ decode kernel's algorithm (roseinfer/csrc/paged_attention.cpp), in PyTorch, one item at a time.
+    """The C++ decode kernel's algorithm (roseinfer/csrc/paged_attention.cpp), in PyTorch, one K/V head at a time.
 
-    An item is one sequence's one K/V head j and the G query heads that read it (h = j * G .. j * G + G - 1).
-    Its tokens are taken `chunk` at a time, read in place through the block table, and each K and V row meets
-    all G query rows at once; the softmax is an online one (running max m, running sum `total`):
+    For one sequence's K/V head j and the G query heads that read it (h = j * G .. j * G + G - 1), the tokens
+    are taken `chunk` at a time, read in place through the block table, and each K and V row meets all G query
+    rows at once; the softmax is an online one (running max m, running sum `total`). (The kernel's item is the
+    whole sequence, its Hkv heads one after another per token, so that a token's K/V is one contiguous read;
+    the arithmetic per head is this.)
 
         S     = q_g · Kᵀ            [G, n]  the score tile: G dot products per K row
         m'    = max(m, rowmax S)            acc and total rescaled by exp(m - m') when the max grows

@@ -4,9 +4,9 @@
 // Pools are [num_blocks, block_size, Hkv, D]; query head h = j * G + g reads K/V head j (G = H / Hkv).
 //
 // Both ops cut their work into items, run in parallel by at::parallel_for, and run each item through `attend`:
-// R query rows of ONE sequence (a decode: all H heads, so a token's Hkv rows of D, side by side in the pool, are
-// one read; a prefill chunk: some of its tokens x the G heads of K/V head j), over a range of that sequence's
-// tokens, in chunks of kChunk tokens (per K/V head, for the rows that read it):
+// R query rows of ONE sequence (a decode of many sequences: all H heads, so a token's Hkv rows of D, side by side
+// in the pool, are one read; else the G heads of one K/V head j, in a prefill chunk for some of its tokens),
+// over a range of that sequence's tokens, in chunks of kChunk tokens (per K/V head, for the rows that read it):
 //
 //   S[R, n]   = Q[R, D] . K[n, D]^T        a K row loaded once per RB rows, whose q stay in registers
 //   m'        = max(m, rowmax S)           online softmax: acc and l rescaled by exp(m - m')
@@ -14,8 +14,8 @@
 //   acc[R, D] += P[R, n] . V[n, D]         a V row loaded once per RB rows, whose acc stay in registers
 //   l[R]     += rowsum P
 //
-// and the output row is acc / l. A decode with fewer sequences than 2 x threads cuts each into chunks of
-// tokens, items of their own, and merges their (acc, m, l) by log-sum-exp.
+// and the output row is acc / l. A decode with few (sequence, K/V head) pairs for the threads splits each
+// sequence into chunks of kSplit tokens, items of their own, and merges their (acc, m, l) by log-sum-exp.
 // fp16/bf16 pools are converted to fp32 as they are loaded; so are fp8 (e4m3) pools, whatever q's dtype
 // (kv_cache_dtype="fp8", roseinfer/attention/fp8_kv.py); every sum is fp32.
 #include "paged_attention_vec.h"  // first: it sets at::vec's width
@@ -28,7 +28,7 @@
 
 namespace {  // internal linkage: a second build of this file (bench_attention's old kernel) cannot clash with it
 constexpr int64_t kChunk = 256;     // tokens whose scores one item keeps at a time (S is [R, kChunk])
-constexpr int64_t kMinSplit = 32;   // a decode's shortest context chunk when sequences are split over threads
+constexpr int64_t kSplit = 256;     // a decode's context chunk when sequences are split over threads
 constexpr int64_t kMaxD = 512;      // head sizes up to this: a K or V row is kMaxD / N registers
 constexpr int64_t kRows = 32;       // query rows per prefill item (tokens x G heads)
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -199,31 +199,31 @@ void decode(const T* q, const P* k, const P* v, const I* tables, const I* lens, 
             int64_t Hkv, int64_t D, int64_t block_size, int64_t width, float scale) {
   int64_t max_len = 0;
   for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, lens[b]);
-  // items: (sequence b, context chunk c), all H query rows over all Hkv heads (head h = j * G + g reads K/V head
-  // j, so rows are in the order attend wants). When B sequences leave threads idle, each is cut into chunks of
-  // `span` tokens, enough that there are 2 items per thread
-  const int64_t threads = at::get_num_threads(), want = B < 2 * threads ? (2 * threads + B - 1) / B : 1;
-  const int64_t span = std::max((max_len + want - 1) / want, kMinSplit);
-  const bool split = want > 1 && max_len > span;
-  const int64_t C = split ? (max_len + span - 1) / span : 1;
-  std::vector<float> partial(split ? B * C * H * (D + 2) : 0);  // [B, C, H, D + 2]: acc, m, l
-  at::parallel_for(0, B * C, 1, [&](int64_t begin, int64_t end) {
+  // items: (sequence b, group of J K/V heads, context chunk c), each with the R = J * G query heads that read its
+  // group (head h = j * G + g reads K/V head j: rows in the order attend wants). J = Hkv, a token's K/V one
+  // contiguous read, when there are sequences enough for 2 items per thread; else one K/V head per item, and when
+  // B * Hkv items still leave threads idle, each sequence is also cut into chunks of kSplit tokens
+  const int64_t threads = at::get_num_threads(), J = B >= 2 * threads ? Hkv : 1, NJ = Hkv / J, R = J * (H / Hkv);
+  const bool split = B * NJ < 2 * threads && max_len > kSplit;
+  const int64_t C = split ? (max_len + kSplit - 1) / kSplit : 1;
+  std::vector<float> partial(split ? B * NJ * C * R * (D + 2) : 0);  // [B, NJ, C, R, D + 2]: acc, m, l
+  at::parallel_for(0, B * NJ * C, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / C, c = item % C, n = lens[b];
-      const int64_t t0 = c * span, t1 = split ? std::min(n, t0 + span) : n;
-      Rows rows = scratch(H, D);
-      std::fill(rows.limit, rows.limit + H, n);  // a decode sees every token
-      load_q<T>(rows, scale, [&](int64_t h) { return q + (b * H + h) * D; });  // [H, D]
-      KV<P, I> kv{k, v, tables + b * width, block_size, Hkv * D, Hkv};
+      const int64_t b = item / (NJ * C), jg = item / C % NJ, c = item % C, n = lens[b], h0 = jg * R;
+      const int64_t t0 = c * kSplit, t1 = split ? std::min(n, t0 + kSplit) : n;
+      Rows rows = scratch(R, D);
+      std::fill(rows.limit, rows.limit + R, n);  // a decode sees every token
+      load_q<T>(rows, scale, [&](int64_t r) { return q + (b * H + h0 + r) * D; });  // [R, D]
+      KV<P, I> kv{k + jg * J * D, v + jg * J * D, tables + b * width, block_size, Hkv * D, J};
       if (t0 < t1) run_attend(kv, rows, t0, t1);
-      for (int64_t h = 0; h < H; ++h) {
+      for (int64_t r = 0; r < R; ++r) {
         if (!split) {
-          store_row(out + (b * H + h) * D, rows, h);
+          store_row(out + (b * H + h0 + r) * D, rows, r);
           continue;
         }
-        float* dst = partial.data() + ((b * C + c) * H + h) * (D + 2);
-        std::copy(rows.acc + h * rows.Dv, rows.acc + h * rows.Dv + D, dst);
-        dst[D] = rows.m[h], dst[D + 1] = rows.l[h];
+        float* dst = partial.data() + (item * R + r) * (D + 2);
+        std::copy(rows.acc + r * rows.Dv, rows.acc + r * rows.Dv + D, dst);
+        dst[D] = rows.m[r], dst[D + 1] = rows.l[r];
       }
     }
   });
@@ -232,13 +232,13 @@ void decode(const T* q, const P* k, const P* v, const I* tables, const I* lens, 
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(D);
     for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / H, h = bh % H;
-      const float* part = partial.data() + (b * C * H + h) * (D + 2);  // chunk c at + c * H * (D + 2)
+      const int64_t b = bh / H, jg = bh % H / R, r = bh % R;
+      const float* part = partial.data() + ((b * NJ + jg) * C * R + r) * (D + 2);  // chunk c at + c * R * (D + 2)
       float M = -kInf, l = 0.f;
-      for (int64_t c = 0; c < C; ++c) M = std::max(M, part[c * H * (D + 2) + D]);
+      for (int64_t c = 0; c < C; ++c) M = std::max(M, part[c * R * (D + 2) + D]);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t c = 0; c < C; ++c) {
-        const float* pc = part + c * H * (D + 2);
+        const float* pc = part + c * R * (D + 2);
         if (pc[D + 1] == 0.f) continue;  // a chunk past this sequence's end
         const float w = std::exp(pc[D] - M);
         l += pc[D + 1] * w;
