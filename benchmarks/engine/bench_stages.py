@@ -122,21 +122,37 @@ def measure(name: str, where: Path, spec: dict) -> dict:
     return out | {"tok_s": out["tokens"] / out["seconds"]}
 
 
+WIDTHS = (30, 12, 8, 8, 11, 9, 11, 14)  # the table's columns
+
+
 def table(runs: dict[str, list[dict]], spec: dict, rounds: int) -> str:
+    """Medians and ranges over the rounds; `vs previous` compares a stage with the stage before it round by round
+    (both ran minutes apart in the same round): the median of the rounds' ratios, and in how many it was > 1."""
     med = {k: statistics.median(m["tok_s"] for m in v) for k, v in runs.items()}
     first = next((v for k, v in med.items() if k.startswith("stage-01")), None)
     hf = med.get("hf-generate")
     lines = [f"{len(spec['output_lens'])} requests, {sum(spec['output_lens'])} output tokens a pass, {spec['device']}; "
              f"{rounds} interleaved rounds, each measurement >= {spec['min_seconds']:g} s",
-             f"| {'stage':30s} | {'tok/s median':>12} | {'min':>8} | {'max':>8} | {'passes':>6} | "
-             f"{'vs stage 01':>11} | {'vs hf-generate':>14} |",
-             f"|{'-' * 32}|{'-' * 13}:|{'-' * 9}:|{'-' * 9}:|{'-' * 7}:|{'-' * 12}:|{'-' * 15}:|"]  # fmt: skip
+             f"| {'stage':30s} | {'tok/s median':>12} | {'min':>8} | {'max':>8} | {'vs previous':>11} | "
+             f"{'faster in':>9} | {'vs stage 01':>11} | {'vs hf-generate':>14} |",
+             "|" + "|".join("-" * 32 if w == 30 else "-" * (w + 1) + ":" for w in WIDTHS) + "|"]  # fmt: skip
+    prev = None
     for k, v in med.items():
         tok = [m["tok_s"] for m in runs[k]]
         r1, rh = (f"{v / first:.2f}x" if first else "-"), (f"{v / hf:.2f}x" if hf else "-")
-        lines.append(f"| {k:30s} | {v:12.1f} | {min(tok):8.1f} | {max(tok):8.1f} | {runs[k][0]['passes']:6d} | "
+        vp, won = "-", "-"
+        if prev and k.startswith("stage-"):
+            ratios = [m["tok_s"] / p["tok_s"] for p, m in zip(runs[prev], runs[k], strict=True)]
+            vp, won = f"{statistics.median(ratios):.2f}x", f"{sum(x > 1 for x in ratios)}/{len(ratios)}"
+        prev = k if k.startswith("stage-") else prev
+        lines.append(f"| {k:30s} | {v:12.1f} | {min(tok):8.1f} | {max(tok):8.1f} | {vp:>11} | {won:>9} | "
                      f"{r1:>11} | {rh:>14} |")  # fmt: skip
     return "\n".join(lines)
+
+
+def title(n: int, device: str, rounds: int, seconds: float) -> str:
+    what = f"median of {rounds} interleaved rounds of >= {seconds:g} s, bars = range"
+    return f"same {n} requests, every stage's own code ({device}): {what}"
 
 
 def plot(runs: dict[str, list[dict]], path: Path, title: str) -> None:
@@ -174,7 +190,18 @@ def main() -> int:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--json", type=Path, default=REPO / "results" / "stages.json")
     ap.add_argument("--plot", type=Path, default=REPO / "chapters" / "stage_progression.png")
+    ap.add_argument("--report", type=Path, help="measure nothing: the table and figure of this earlier --json")
     args = ap.parse_args()
+    if args.report:
+        data = json.loads(args.report.read_text())
+        print(table(data["runs"], data["spec"], data["rounds"]))
+        spec = data["spec"]
+        plot(
+            data["runs"],
+            args.plot,
+            title(len(spec["output_lens"]), spec["device"], data["rounds"], spec["min_seconds"]),
+        )
+        return 0
 
     from roseinfer import DEFAULT_MODEL
 
@@ -198,8 +225,7 @@ def main() -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"spec": {k: v for k, v in spec.items() if k != "prompts"}, "rounds": args.rounds,
                                      "runs": runs}, indent=1) + "\n")  # fmt: skip
-    plot(runs, args.plot, f"same {args.num_requests} requests, every stage's own code ({args.device}): median of "
-                          f"{args.rounds} interleaved rounds of >= {args.min_seconds:g} s, bars = range")  # fmt: skip
+    plot(runs, args.plot, title(args.num_requests, args.device, args.rounds, args.min_seconds))
     print(f"wrote {args.json} and {args.plot}")
     return 0 if all(m["exact"] for v in runs.values() for m in v) else 1
 
