@@ -56,12 +56,12 @@ def old_backend(rev: str):
     src = git("show", f"{rev}:roseinfer/csrc/paged_attention.cpp")
     src = src.replace("TORCH_LIBRARY_FRAGMENT(roseinfer,", "TORCH_LIBRARY(roseinfer_old,")
     src = src.replace("TORCH_LIBRARY_IMPL(roseinfer,", "TORCH_LIBRARY_IMPL(roseinfer_old,")
-    headers = Path(tempfile.mkdtemp(prefix="roseinfer_old_csrc_"))  # the headers it includes, as they were at rev
-    for name in git("ls-tree", "--name-only", f"{rev}:roseinfer/csrc").split():
-        if name.endswith(".h"):
-            (headers / name).write_text(git("show", f"{rev}:roseinfer/csrc/{name}"))
-    load_inline(name=f"roseinfer_old_attention_{rev}", cpp_sources=[src], extra_cflags=custom_ops.CFLAGS,
-                extra_include_paths=[str(headers)], is_python_module=False, verbose=False)  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="roseinfer_old_csrc_") as headers:  # the headers it includes, at rev
+        for name in git("ls-tree", "--name-only", f"{rev}:roseinfer/csrc").split():
+            if name.endswith(".h"):
+                (Path(headers) / name).write_text(git("show", f"{rev}:roseinfer/csrc/{name}"))
+        load_inline(name=f"roseinfer_old_attention_{rev}", cpp_sources=[src], extra_cflags=custom_ops.CFLAGS,
+                    extra_include_paths=[headers], is_python_module=False, verbose=False)  # fmt: skip
     sdpa = sys.modules["roseinfer_old_sdpa"] = types.ModuleType("roseinfer_old_sdpa")  # (dataclasses look it up)
     exec(compile(git("show", f"{rev}:roseinfer/attention/sdpa.py"), f"{rev}:sdpa.py", "exec"), sdpa.__dict__)
 

@@ -155,7 +155,7 @@ def title(n: int, device: str, rounds: int, seconds: float) -> str:
     return f"same {n} requests, every stage's own code ({device}): {what}"
 
 
-def plot(runs: dict[str, list[dict]], path: Path, title: str) -> None:
+def plot(runs: dict[str, list[dict]], path: Path, heading: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -170,7 +170,7 @@ def plot(runs: dict[str, list[dict]], path: Path, title: str) -> None:
     ax.bar(range(len(names)), med, yerr=err, capsize=2, color=colors, error_kw={"elinewidth": 0.8})
     ax.set_xticks(range(len(names)), [k.removeprefix("stage-") for k in names], rotation=35, ha="right", fontsize=8)
     ax.set_ylabel("output tokens/s")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(heading, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -15,10 +15,7 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
-#include <algorithm>
-#include <limits>
 #include <type_traits>
-#include <vector>
 
 namespace {  // internal linkage: a second build of the kernels (bench_attention's old kernel) cannot clash with them
 using Vec = at::vec::Vectorized<float>;
