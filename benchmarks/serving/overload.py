@@ -52,6 +52,7 @@ import httpx
 from benchmarks.common import REPO, free_port, percentile
 from benchmarks.serving.poller import gauges
 from benchmarks.serving.serving_capacity import environment, format_row, to_json
+from benchmarks.serving.serving_model import model_dir
 from benchmarks.serving.serving_peers import BUNDLED, Server, ServerConfig, server_spec
 from benchmarks.serving.serving_window import (
     Criteria,
@@ -268,7 +269,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--input-len", type=int, nargs=2, default=[16, 64], metavar=("MIN", "MAX"))
     ap.add_argument("--output-len", type=int, nargs=2, default=[16, 64], metavar=("MIN", "MAX"))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model-dir", type=Path, default=BUNDLED)
+    ap.add_argument("--model-dir", type=model_dir, default=BUNDLED, help="a directory, or a random shape: smollm2-135m")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--kv-cache-mib", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=64)

