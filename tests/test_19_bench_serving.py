@@ -195,3 +195,47 @@ def test_rss_slope_leaves_the_first_fifth_out_and_measures_mib_per_minute():
     leak = [(t, 500.0 + t / 60 * 2.0) for t in range(0, 600, 10)]  # 2 MiB a minute, all along
     assert rss_slope(leak)[0] == pytest.approx(2.0)
     assert rss_slope([(0, 1.0), (10, 2.0)]) is None  # too few samples for a verdict
+
+
+# ------------------------------------------------------------------------------------------------ a model at real shapes
+def test_the_widened_tokenizer_keeps_the_bundled_ids_and_decodes_every_new_id(tmp_path):
+    from transformers import AutoTokenizer
+
+    from benchmarks.serving.serving_model import BUNDLED, write_tokenizer
+    from roseinfer.tokenizer import Tokenizer
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "vocab_size": 4400}')
+    write_tokenizer(tmp_path, 4400)
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    ours = Tokenizer.from_model_dir(tmp_path, vocab_size=4400)
+    bundled = Tokenizer.from_model_dir(BUNDLED)
+    assert len(hf) == ours.vocab_size == 4400 and ours.eos_token_id == bundled.eos_token_id == 4095
+    text = "ROMEO: But soft, what light through yonder window breaks?\n  It is the east, and Juliet is the sun. 12345"
+    assert ours.encode(text) == hf(text)["input_ids"] == bundled.encode(text)  # the new merges never fire
+    new = list(range(4096, 4400))
+    pieces = [hf.decode([i]) for i in new]
+    assert all(" " in p and p.strip() for p in pieces)  # "a" + " b": a word, a space, a word
+    assert [ours.decode([i]) for i in new] == pieces
+    assert len(set(pieces)) == len(pieces)
+
+
+def test_serving_model_dir_takes_a_directory_or_a_known_shape_and_names_the_choices(tmp_path):
+    import argparse
+
+    from benchmarks.serving.serving_model import model_dir
+
+    assert model_dir(str(tmp_path)) == tmp_path
+    with pytest.raises(argparse.ArgumentTypeError, match="smollm2-135m"):
+        model_dir("no-such-model")
+
+
+def test_vllm_eager_is_the_same_server_with_enforce_eager(tmp_path, monkeypatch):
+    from benchmarks.serving import serving_peers
+
+    venv = tmp_path / "venv"
+    monkeypatch.setattr(serving_peers, "peer_venv", lambda name: venv)
+    monkeypatch.setattr(serving_peers, "vllm_cpu_env", lambda threads: {"VLLM_CPU_OMP_THREADS_BIND": "0-1"})
+    default = serving_peers.server_spec("vllm-cpu", 8000, serving_peers.ServerConfig())
+    eager = serving_peers.server_spec("vllm-cpu-eager", 8000, serving_peers.ServerConfig())
+    assert eager.cmd == [*default.cmd, "--enforce-eager"] and eager.env == default.env
+    assert "--enforce-eager" not in default.cmd
