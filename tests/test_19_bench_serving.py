@@ -197,7 +197,7 @@ def test_rss_slope_leaves_the_first_fifth_out_and_measures_mib_per_minute():
     assert rss_slope([(0, 1.0), (10, 2.0)]) is None  # too few samples for a verdict
 
 
-# ------------------------------------------------------------------------------------------------ a model at real shapes
+# ----------------------------------------------------------------------------------------- a model at real shapes
 def test_the_widened_tokenizer_keeps_the_bundled_ids_and_decodes_every_new_id(tmp_path):
     from transformers import AutoTokenizer
 
