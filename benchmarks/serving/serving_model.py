@@ -34,7 +34,7 @@ EOT = "<|endoftext|>"
 
 
 def widened_bpe(vocab: dict[str, int], merges: list[tuple[str, str]], size: int) -> tuple[dict, list]:
-    """`vocab` and `merges` grown to `size` ids with tokens a + b (a a word piece without a space, b = "Ġ" + word)."""
+    """`vocab` and `merges` grown to `size` ids with tokens a + b: a is a word piece, b is "Ġ" (a space) + a word."""
     vocab, merges = dict(vocab), list(merges)
     ordered = sorted(vocab, key=vocab.get)
     left = [t for t in ordered if t.isalpha()]  # "Ġ" is not alphabetic: no space inside

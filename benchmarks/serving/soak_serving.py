@@ -4,8 +4,8 @@
     python benchmarks/serving/soak_serving.py --base-url http://127.0.0.1:8000/v1 --rate 2 --duration 600 --pid 12345
     python benchmarks/serving/soak_serving.py --rate 1 --duration 40 --metrics-url http://127.0.0.1:8000/metrics
 
-With `--serve ENGINE` it starts that server itself (serving_peers.py: a free loopback port, --threads,
---kv-cache-mib), samples the memory of the server's whole process group, scrapes its /metrics at the end if it
+With `--serve ENGINE` it starts that server itself (serving_peers.py: a free loopback port, --model-dir,
+--threads, --kv-cache-mib), samples the memory of the server's whole process group, scrapes its /metrics at the end if it
 has one, and stops it. Otherwise start the server yourself and point this at it. Only loopback URLs (127.0.0.1
 or localhost) are accepted, so a soak can never be aimed at someone else's server by mistake.
 
