@@ -5,9 +5,9 @@
     python benchmarks/serving/soak_serving.py --rate 1 --duration 40 --metrics-url http://127.0.0.1:8000/metrics
 
 With `--serve ENGINE` it starts that server itself (serving_peers.py: a free loopback port, --model-dir,
---threads, --kv-cache-mib), samples the memory of the server's whole process group, scrapes its /metrics at the end if it
-has one, and stops it. Otherwise start the server yourself and point this at it. Only loopback URLs (127.0.0.1
-or localhost) are accepted, so a soak can never be aimed at someone else's server by mistake.
+--threads, --kv-cache-mib), samples the memory of the server's whole process group, scrapes its /metrics at the
+end if it has one, and stops it. Otherwise start the server yourself and point this at it. Only loopback URLs
+(127.0.0.1 or localhost) are accepted, so a soak can never be aimed at someone else's server by mistake.
 
 A benchmark asks "how fast"; a soak asks "does it stay healthy". Requests arrive as a Poisson process at
 `--rate` per second for `--duration` seconds (the request code is benchmarks/serving/bench_serving.py's), and we count
