@@ -62,9 +62,8 @@ class SpeculativeConfig:
         unknown = sorted(set(config) - known)
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {unknown}; known keys are {sorted(known)}")
-        for key in ("method", "num_speculative_tokens"):
-            if key not in config:
-                raise ValueError(f"speculative_config needs {key!r}")
+        if missing := [key for key in ("method", "num_speculative_tokens") if key not in config]:
+            raise ValueError(f"speculative_config needs {missing[0]!r}")
         return cls(**config)
 
     def __post_init__(self) -> None:
@@ -165,6 +164,7 @@ class EngineConfig:
     parallel_config: ParallelConfig
     speculative_config: SpeculativeConfig | None = None
     enforce_eager: bool = False  # CUDA: never capture CUDA graphs
+    warmup: bool = False  # CPU: build the oneDNN kernels of every step size at start-up (roseinfer/worker/warm_up.py)
 
     def with_num_gpu_blocks(self, num_blocks: int) -> EngineConfig:
         """The final config, once the model runner has decided the KV pool's blocks: a copy that holds them (this
@@ -210,6 +210,7 @@ class EngineArgs:
     tensor_parallel_size: int = _arg(1, "processes that share the model, 1/N of every layer each")
     enforce_eager: bool = _arg(False, "CUDA: run every step eagerly (no CUDA graphs)")
     async_scheduling: bool = _arg(False, "schedule the next step while the GPU runs this one")
+    warmup: bool = _arg(False, "CPU: build every step size's oneDNN kernels at start-up, so memory stays flat")
 
     def create_engine_config(self) -> EngineConfig:
         """Check every argument (types first, then what needs the model's config.json), resolve the defaults."""
@@ -223,14 +224,12 @@ class EngineArgs:
         if not isinstance(self.attention_backend, str):
             raise TypeError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         check_impl(self.custom_ops)
-        check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
-        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager", "async_scheduling", "warmup"):
+            check_bool(name, getattr(self, name))
         check_number("watermark", self.watermark, 0, 1, "a number in [0, 1)")
         check_number("swap_space", self.swap_space, 0, float("inf"), "a finite number >= 0")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be None, 'recompute' or 'swap', got {self.preemption_mode!r}")
-        check_bool("enforce_eager", self.enforce_eager)
-        check_bool("async_scheduling", self.async_scheduling)
         spec = SpeculativeConfig.from_dict(self.speculative_config) if self.speculative_config is not None else None
         if spec is not None and self.async_scheduling:
             raise ValueError("async_scheduling does not work with speculative_config: drafts are proposed from the "
@@ -271,14 +270,15 @@ class EngineArgs:
         lookahead = spec.num_lookahead_tokens if spec is not None else 0
         sched = SchedulerConfig(self.max_num_seqs, budget, self.enable_chunked_prefill, self.preemption_mode,
                                 max_len, lookahead, self.async_scheduling)  # fmt: skip
-        return EngineConfig(model_config, cache, sched, ParallelConfig(tp), spec, self.enforce_eager)
+        return EngineConfig(model_config, cache, sched, ParallelConfig(tp), spec, self.enforce_eager, self.warmup)
 
     @classmethod
-    def add_cli_args(cls, parser) -> None:
-        """One `--flag` per field (dashes for underscores); booleans that default to True get `--no-...`."""
+    def add_cli_args(cls, parser, defaults: dict | None = None) -> None:
+        """One `--flag` per field (dashes for underscores); booleans that default to True get `--no-...`.
+        `defaults`: the command's own defaults where they differ (`roseinfer serve` warms up)."""
         for f in fields(cls):
             flag, meta = "--" + f.name.replace("_", "-"), dict(f.metadata)
-            default = f.default if f.default is not MISSING else None
+            default = (defaults or {}).get(f.name, f.default if f.default is not MISSING else None)
             if isinstance(default, bool):
                 name = f"--no-{f.name.replace('_', '-')}" if default else flag
                 parser.add_argument(name, dest=f.name, action="store_false" if default else "store_true",

@@ -114,6 +114,13 @@ def test_tp2_with_async_scheduling_gives_the_tp1_tokens(tp1):
         assert core(llm.llm_engine).kv_cache_manager.num_used_blocks == 0
 
 
+def test_tp2_warms_up_every_rank_together_and_gives_the_tp1_tokens(tp1):
+    """A warm-up runs a forward on every rank (its all-reduces need them all), before the first request."""
+    ref_ids, _ = tp1
+    with LLM(tensor_parallel_size=2, warmup=True, **TIGHT) as llm:
+        assert [o.token_ids for o in llm.generate(WORKLOAD, GREEDY, use_tqdm=False)] == ref_ids
+
+
 def test_tp2_server_streams_the_tp1_text(tp1):
     ref_ids, _ = tp1
     with running_server(tensor_parallel_size=2, **{k: v for k, v in TIGHT.items() if k not in ("device", "dtype")}) as (

@@ -16,7 +16,15 @@ from roseinfer import LLM, SamplingParams
 from roseinfer.attention import resolve_backend_name
 from roseinfer.attention.cpu_paged import paged_decode_cpu
 from roseinfer.attention.reference import paged_attention_reference
-from roseinfer.model_executor.onednn_linear import bucket_rows, pack_weight, packed_linear, resolve_linear_backend
+from roseinfer.model_executor.onednn_linear import (
+    bucket_rows,
+    pack_weight,
+    packed_linear,
+    record_calls,
+    resolve_linear_backend,
+    row_buckets,
+    warm_up,
+)
 
 CPU = torch.device("cpu")
 
@@ -44,9 +52,11 @@ def test_packed_linear_takes_3d_and_strided_input_and_fuses_tanh_gelu():
 def test_onednn_sees_a_few_row_counts_whatever_the_steps(monkeypatch):
     """A server's steps have any row count from 1 to the token budget; oneDNN builds and keeps a primitive for each
     shape it sees, so the rows are padded to a few sizes (zeros), and the answer is the same."""
-    assert [bucket_rows(n) for n in (1, 2, 3, 33, 64, 65, 96, 97, 2047)] == [1, 2, 3, 33, 64, 96, 96, 128, 2048]
-    assert all(n <= bucket_rows(n) < n + 32 for n in range(1, 4097))
-    assert len({bucket_rows(n) for n in range(1, 2049)}) == 126
+    ns = (1, 2, 16, 17, 33, 64, 65, 97, 129, 1025, 2047)
+    assert [bucket_rows(n) for n in ns] == [1, 2, 16, 20, 40, 64, 80, 112, 160, 1280, 2048]
+    assert all(n <= bucket_rows(n) < 1.25 * n for n in range(1, 4097))  # padding: under a quarter of the rows
+    assert all(bucket_rows(b) == b for b in row_buckets(4096))  # a bucket is its own size
+    assert len(row_buckets(2048)) == 44 and row_buckets(2048) == sorted({bucket_rows(n) for n in range(1, 2049)})
     seen, call = set(), torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: seen.add(x.shape[0]) or call(x, *a))
     torch.manual_seed(0)
@@ -55,7 +65,27 @@ def test_onednn_sees_a_few_row_counts_whatever_the_steps(monkeypatch):
     for rows in range(1, 200):
         x = torch.randn(rows, 24)
         torch.testing.assert_close(packed_linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    assert seen == {bucket_rows(n) for n in range(1, 200)} and len(seen) == 64 + 5  # 96, 128, 160, 192, 224
+    assert seen == set(row_buckets(199)) and len(seen) == 16 + 4 + 4 + 4 + 3  # ..., 128, 160, 192, 224
+
+
+def test_record_calls_notes_each_kind_of_linear_once_and_warm_up_calls_it_at_every_bucket(monkeypatch):
+    seen, call = [], torch.ops.mkldnn._linear_pointwise
+    torch.manual_seed(0)
+    w1, w2, b = torch.randn(48, 24), torch.randn(48, 24), torch.randn(48)
+    p1, p2 = pack_weight(w1), pack_weight(w2)
+    with record_calls() as calls:
+        packed_linear(torch.randn(3, 24), p1, b)
+        packed_linear(torch.randn(70, 24), p2, b)  # the same kind as the first: another weight, another row count
+        packed_linear(torch.randn(5, 24), p1, b, gelu_tanh=True)
+        packed_linear(torch.randn(5, 24), p1, None)
+    packed_linear(torch.randn(5, 24), p1, None, gelu_tanh=True)  # after the block: not recorded
+    f32 = torch.float32
+    assert list(calls) == [(24, 48, f32, True, "none", (), ""), (24, 48, f32, True, "gelu", (), "tanh"),
+                           (24, 48, f32, False, "none", (), "")]  # fmt: skip
+    assert calls[(24, 48, f32, True, "none", (), "")][0] is p1
+    assert torch.ops.mkldnn._linear_pointwise is call  # oneDNN's own entry point is back
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: seen.append(x.shape[0]) or call(x, *a))
+    assert warm_up(calls, 100) == 3 * 27 and seen == row_buckets(100) * 3  # 1..16, 20..32, 40..64, 80, 96, 112
 
 
 def test_packed_linear_in_bf16():

@@ -143,6 +143,7 @@ BAD_ENGINE_ARGS = [  # (argument, bad value, error); the message must name the a
     ("tensor_parallel_size", 10**6, ValueError),  # more ranks than CPU cores
     ("enforce_eager", "yes", TypeError), ("enforce_eager", 1, TypeError), ("enforce_eager", None, TypeError),
     ("async_scheduling", "yes", TypeError), ("async_scheduling", 1, TypeError), ("async_scheduling", None, TypeError),
+    ("warmup", "yes", TypeError), ("warmup", 1, TypeError), ("warmup", None, TypeError),
 ]  # fmt: skip
 ENGINE_CASES = [(cls, arg, value, exc) for cls in (LLM, LLMEngine) for arg, value, exc in BAD_ENGINE_ARGS]
 

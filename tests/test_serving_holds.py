@@ -12,7 +12,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -22,7 +25,7 @@ from test_13_server import assert_engine_empty, serving
 from test_19_server import assert_openai_error
 from test_19_server_ops import metric, read_stream, serve_process
 
-from roseinfer import LLMEngine, SamplingParams
+from roseinfer import EngineArgs, LLMEngine, SamplingParams
 from roseinfer.entrypoints import allocator
 from roseinfer.entrypoints.async_engine import AsyncLLMEngine
 from roseinfer.entrypoints.cli import serve_parser
@@ -265,3 +268,38 @@ def test_the_server_runs_on_the_preloaded_allocator():
         assert httpx.post(url + "/v1/completions", json={"prompt": "Romeo.", "max_tokens": 2}).status_code == 200
     with serve_process("--allocator", "system") as (proc, url):
         assert library.split(".so")[0] not in Path(f"/proc/{proc.pid}/maps").read_text()
+
+
+WARM_UP_SCRIPT = """
+import random, sys
+from roseinfer import LLM, SamplingParams
+llm = LLM(warmup=sys.argv[1] == "on", max_num_seqs=16)
+print("=== SERVING", flush=True)
+rng = random.Random(0)
+prompts = [[rng.randrange(1000) for _ in range(rng.randrange(5, 300))] for _ in range(24)]
+llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+"""
+
+
+@pytest.mark.parametrize("warmup", ["on", "off"])
+def test_warm_up_builds_every_onednn_primitive_before_the_first_request(warmup):
+    """oneDNN says in its verbose log when it builds a primitive (a cache miss). After a warm-up, steps of any
+    row count find theirs built; without one, prompts of new lengths build new ones (and keep their memory)."""
+    env = {**os.environ, "ONEDNN_VERBOSE": "profile_create"}
+    out = subprocess.run([sys.executable, "-c", WARM_UP_SCRIPT, warmup], env=env, capture_output=True, text=True,
+                         timeout=300, check=True).stdout  # fmt: skip
+    start, serving = out.split("=== SERVING")
+    built = [start.count("create:cache_miss,cpu,inner_product"), serving.count("create:cache_miss,cpu,inner_product")]
+    if warmup == "on":  # the bundled GPT-2: 4 kinds of layer at 44 row counts, the LM head at 1 .. max_num_seqs
+        assert built == [4 * 44 + 16, 0]
+    else:
+        assert built[0] == 0 and built[1] > 0
+
+
+def test_the_server_warms_up_by_default_and_llm_does_not():
+    parser = serve_parser(argparse.ArgumentParser(prog="roseinfer").add_subparsers())
+    assert EngineArgs.from_cli_args(parser.parse_args([])).warmup is True
+    assert EngineArgs.from_cli_args(parser.parse_args(["--no-warmup"])).warmup is False
+    assert EngineArgs().warmup is False
+    with pytest.raises(TypeError, match="warmup"):
+        EngineArgs(warmup="yes").create_engine_config()

@@ -6,6 +6,7 @@
     roseinfer serve --api-key KEY --chat-template chat.jinja --shutdown-timeout 10
     roseinfer serve --max-waiting 256 --request-timeout 60   # 503 past 256 waiting; 504 past 60 s per request
     roseinfer serve --allocator system                # glibc's malloc (default: tcmalloc/jemalloc if installed)
+    roseinfer serve --no-warmup                       # start faster; oneDNN kernels built while serving
     roseinfer serve --enable-auto-tool-choice --tool-call-parser hermes   # tool_choice "auto": read the calls
 
 The engine's flags are `EngineArgs`' fields with dashes (vLLM's spelling), made from the one definition in
@@ -83,7 +84,7 @@ def serve_parser(sub) -> argparse.ArgumentParser:
         help="preload a malloc that gives memory back (auto: tcmalloc, else jemalloc, when installed; "
         "system: glibc's), by starting the server again with LD_PRELOAD (roseinfer/entrypoints/allocator.py)",
     )
-    EngineArgs.add_cli_args(p)
+    EngineArgs.add_cli_args(p, defaults={"warmup": True})  # --no-warmup: start faster, grow under load
     return p
 
 

@@ -18,14 +18,23 @@ path reaches the GEMM peak already at 32 rows, where sgemm is well short of it, 
 ([N, 768] × [768, 50257], the step's biggest GEMM) gets the most out of it.
 
 oneDNN builds (and keeps) a primitive, with its JIT-compiled kernel and buffers, for every shape it is called
-with. A server's steps have any number of rows from 1 to the token budget, so it would build one for each, and
-its memory would grow for as long as new row counts come (a soak of `roseinfer serve` grew 21 MiB a minute).
-So above 64 rows, the rows are padded to a multiple of 32 (`bucket_rows`): at most 126 shapes per layer for a
-budget of 2048 tokens. Decode steps (a row per sequence) keep their exact shape; a prefill chunk of a few
-hundred rows computes at most 31 more. The padding rows are zeros, and their outputs are dropped.
+with: about half a MiB each on this CPU. A server's steps have any number of rows from 1 to the token budget, so
+it would build one for each, and its memory would grow for as long as new row counts come (a soak of
+`roseinfer serve` grew 21 MiB a minute). So the rows are padded to a few sizes (`bucket_rows`): up to 16 rows
+(small decode steps) the exact count, above that four sizes per doubling, each a multiple of a quarter of the
+power of two below it:
+
+    1 2 ... 16 | 20 24 28 32 | 40 48 56 64 | 80 96 112 128 | 160 192 224 256 | ... | 1280 1536 1792 2048
+
+44 shapes per layer for a budget of 2048 tokens; the padding is under a quarter of the rows, and zeros whose
+outputs are dropped. Even so a server meets a new size now and then for as long as it runs (the rarest are the
+largest), so `roseinfer serve` builds them all at start-up (`record_calls` and `warm_up`, called by
+roseinfer/worker/warm_up.py): from then on its memory stays flat.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -58,15 +67,52 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 
-EXACT_ROWS = 64  # up to this many rows oneDNN sees the exact count; above, a multiple of ROW_BUCKET
-ROW_BUCKET = 32
+EXACT_ROWS = 16  # up to this many rows oneDNN sees the exact count; above, four sizes per doubling
 
 
 def bucket_rows(num_rows: int) -> int:
-    """The row count oneDNN is called with for `num_rows` rows: 1, 2, ..., 64, then 96, 128, 160, ..."""
+    """The row count oneDNN is called with for `num_rows` rows: 1, ..., 16, then 20, 24, 28, 32, 40, 48, ...:
+    above 16, a multiple of a quarter of the power of two below `num_rows` (n in (2^k, 2^(k+1)] -> steps of 2^k/4)."""
     if num_rows <= EXACT_ROWS:
         return num_rows
-    return -(-num_rows // ROW_BUCKET) * ROW_BUCKET
+    step = 1 << ((num_rows - 1).bit_length() - 3)  # 2^k / 4
+    return -(-num_rows // step) * step
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """Every size `bucket_rows` gives for 1 .. max_rows rows, smallest first."""
+    return sorted({bucket_rows(n) for n in range(1, max_rows + 1)})
+
+
+@contextmanager
+def record_calls():
+    """Note every call of oneDNN's linear made inside, one of each kind: yields a dict from (in features, out
+    features, dtype, has a bias, post-op), what a primitive depends on besides the rows, to the arguments of its
+    first call. oneDNN's entry point is swapped for one that notes its arguments, and put back on the way out."""
+    calls, linear = {}, torch.ops.mkldnn._linear_pointwise
+
+    def noting(x, packed, bias, *post_op):
+        out = linear(x, packed, bias, *post_op)
+        key = (x.shape[1], out.shape[1], x.dtype, bias is not None, post_op[0], tuple(post_op[1]), post_op[2])
+        calls.setdefault(key, (packed, bias, *post_op))
+        return out
+
+    torch.ops.mkldnn._linear_pointwise = noting
+    try:
+        yield calls
+    finally:
+        torch.ops.mkldnn._linear_pointwise = linear
+
+
+def warm_up(calls: dict, max_rows: int) -> int:
+    """Make each recorded kind of call once at every row bucket of up to `max_rows` rows (zeros), so that oneDNN
+    builds all its primitives now rather than while serving. Returns the number of calls."""
+    n = 0
+    for (in_features, _, dtype, *_), args in calls.items():
+        for rows in row_buckets(max_rows):
+            torch.ops.mkldnn._linear_pointwise(torch.zeros(rows, in_features, dtype=dtype), *args)
+            n += 1
+    return n
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, gelu_tanh: bool = False):

@@ -118,6 +118,10 @@ class ModelRunner:
             from roseinfer.worker.cuda_graph import CUDAGraphRunner
 
             self.cuda_graphs = CUDAGraphRunner(self, max_batch_size=config.scheduler_config.max_num_seqs)
+        if config.warmup:  # every oneDNN primitive built now: memory flat from the first request on
+            from roseinfer.worker.warm_up import warm_up_linear_layers
+
+            warm_up_linear_layers(self)
 
     # ---- one step ----------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

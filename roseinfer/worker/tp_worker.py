@@ -188,12 +188,12 @@ class TensorParallelRunner(ModelRunner):
         self.worker_kv_bytes: list[int] = []
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Rank 0's pool, then every worker's: the same `num_blocks` (rank 0 measured them), each holding that
-        rank's heads."""
+        """Every rank's pool at once: the same `num_blocks` (rank 0 measured them), each holding that rank's heads.
+        The workers start first, so that a warm-up's forward (`warmup`) meets them in its all-reduces."""
         try:
-            super().initialize_kv_cache(num_blocks)
             for conn in self.workers.conns:
                 conn.send_bytes(b"kv %d" % num_blocks)
+            super().initialize_kv_cache(num_blocks)
             self.worker_kv_bytes = [self._wait_for("ready", rank, conn)
                                     for rank, conn in enumerate(self.workers.conns, start=1)]  # fmt: skip
         except BaseException:

@@ -1,0 +1,47 @@
+"""Warm-up: every oneDNN primitive a server will need, built at start-up (`warmup=True`; `roseinfer serve`'s default).
+
+oneDNN builds and keeps a primitive for each shape of each linear layer (roseinfer/model_executor/onednn_linear.py),
+about half a MiB each. Padding the rows to 44 sizes bounds how many there can be, but a server still meets a size
+for the first time long after it started: a prompt of 1,500 tokens arrives once an hour. Each first time costs a
+millisecond of building and memory that is never given back, so a soak's RSS creeps up for hours (the bundled model
+under a steady load: +1.26 MiB/min after 30 minutes). Building them all before the first request makes the memory
+a cost paid once, at start-up, and flat from then on:
+
+    1. record    one decode token of a dummy request through the model and the LM head, inside
+                 `record_calls()`: which kinds of linear layer the model has (in, out, bias, post-op, dtype)
+    2. warm up   each kind at every row bucket it can meet: the layers of the forward up to the token budget,
+                 the LM head up to the rows a step samples (max_num_seqs, times k + 1 with speculation)
+
+The dummy token writes its K/V into slot 0 of block 0 before any request owns a block: nothing reads it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from roseinfer.attention import AttentionMetadata
+from roseinfer.model_executor.onednn_linear import record_calls, warm_up
+
+
+@torch.inference_mode()
+def warm_up_linear_layers(runner) -> int:
+    """Build the oneDNN primitives of every linear layer of `runner`'s model at every row count a step can bring;
+    returns the number of warm-up calls (0 when the layers do not run through oneDNN)."""
+    config, dev = runner.config, runner.device
+    if config.model_config.linear_backend != "onednn":
+        return 0
+    ids = torch.zeros(1, dtype=torch.int64, device=dev)  # [1]: one token, at position 0
+    meta = AttentionMetadata(torch.zeros(1, dtype=torch.int64, device=dev), torch.tensor([0, 1], dtype=torch.int32),
+                             torch.ones(1, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), num_decodes=1,
+                             max_query_len=1, query_start_loc_cpu=[0, 1], seq_lens_cpu=[1], backend=runner.backend,
+                             gather_buffer=runner.gather_buffer)  # fmt: skip
+    if runner.backend.prepare is not None:
+        meta.plan = runner.backend.prepare(meta, runner.block_size)
+    with record_calls() as layers:
+        hidden = runner.model.forward_paged(ids, ids, runner.kv_cache.layers, meta)  # [1, C]
+    with record_calls() as head:
+        runner.model.compute_logits(hidden)
+    sched, spec = config.scheduler_config, config.speculative_config
+    budget = sched.max_num_batched_tokens
+    logit_rows = min(budget, sched.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)))
+    return warm_up(layers, budget) + warm_up(head, logit_rows)
