@@ -12,10 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,6 +22,7 @@ from test_13_server import assert_engine_empty, serving
 from test_19_server import assert_openai_error
 from test_19_server_ops import metric, read_stream, serve_process
 
+from benchmarks.engine import onednn_primitives
 from roseinfer import EngineArgs, LLMEngine, SamplingParams
 from roseinfer.entrypoints import allocator
 from roseinfer.entrypoints.async_engine import AsyncLLMEngine
@@ -270,30 +268,17 @@ def test_the_server_runs_on_the_preloaded_allocator():
         assert library.split(".so")[0] not in Path(f"/proc/{proc.pid}/maps").read_text()
 
 
-WARM_UP_SCRIPT = """
-import random, sys
-from roseinfer import LLM, SamplingParams
-llm = LLM(warmup=sys.argv[1] == "on", max_num_seqs=16)
-print("=== SERVING", flush=True)
-rng = random.Random(0)
-prompts = [[rng.randrange(1000) for _ in range(rng.randrange(5, 300))] for _ in range(24)]
-llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
-"""
-
-
-@pytest.mark.parametrize("warmup", ["on", "off"])
-def test_warm_up_builds_every_onednn_primitive_before_the_first_request(warmup):
-    """oneDNN says in its verbose log when it builds a primitive (a cache miss). After a warm-up, steps of any
-    row count find theirs built; without one, prompts of new lengths build new ones (and keep their memory)."""
-    env = {**os.environ, "ONEDNN_VERBOSE": "profile_create"}
-    out = subprocess.run([sys.executable, "-c", WARM_UP_SCRIPT, warmup], env=env, capture_output=True, text=True,
-                         timeout=300, check=True).stdout  # fmt: skip
-    start, serving = out.split("=== SERVING")
-    built = [start.count("create:cache_miss,cpu,inner_product"), serving.count("create:cache_miss,cpu,inner_product")]
-    if warmup == "on":  # the bundled GPT-2: 4 kinds of layer at 44 row counts, the LM head at 1 .. max_num_seqs
-        assert built == [4 * 44 + 16, 0]
-    else:
-        assert built[0] == 0 and built[1] > 0
+def test_warm_up_builds_every_onednn_primitive_before_the_first_request():
+    """oneDNN says in its verbose log when it builds a primitive (a cache miss); benchmarks/engine/onednn_primitives.py
+    counts them. After a warm-up, steps of any row count find theirs built; without one, prompts of new lengths build
+    new ones (and keep their memory)."""
+    args = argparse.Namespace(model_dir=None, threads=2, rounds=2, prompts=12, max_prompt=300)
+    cold, warm = (onednn_primitives.run(w, args)["phases"] for w in (False, True))
+    built = lambda phases: [p["primitives_built"] for p in phases]  # noqa: E731
+    assert [p["phase"] for p in warm] == ["start", "round 1", "round 2"]
+    # the bundled GPT-2: 4 kinds of layer at 44 row counts, and the LM head at the 24 of 1 .. max_num_seqs (64)
+    assert built(warm) == [4 * 44 + 24, 0, 0]
+    assert built(cold)[0] == 0 and sum(built(cold)) > 0
 
 
 def test_the_server_warms_up_by_default_and_llm_does_not():
