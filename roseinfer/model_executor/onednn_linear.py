@@ -18,7 +18,7 @@ path reaches the GEMM peak already at 32 rows, where sgemm is well short of it, 
 ([N, 768] × [768, 50257], the step's biggest GEMM) gets the most out of it.
 
 oneDNN builds (and keeps) a primitive, with its JIT-compiled kernel and buffers, for every shape it is called
-with: about half a MiB each on this CPU. A server's steps have any number of rows from 1 to the token budget, so
+with: about 0.65 MiB each on this CPU. A server's steps have any number of rows from 1 to the token budget, so
 it would build one for each, and its memory would grow for as long as new row counts come (a soak of
 `roseinfer serve` grew 21 MiB a minute). So the rows are padded to a few sizes (`bucket_rows`): up to 16 rows
 (small decode steps) the exact count, above that four sizes per doubling, each a multiple of a quarter of the

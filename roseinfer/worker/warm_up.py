@@ -1,18 +1,21 @@
 """Warm-up: every oneDNN primitive a server will need, built at start-up (`warmup=True`; `roseinfer serve`'s default).
 
 oneDNN builds and keeps a primitive for each shape of each linear layer (roseinfer/model_executor/onednn_linear.py),
-about half a MiB each. Padding the rows to 44 sizes bounds how many there can be, but a server still meets a size
-for the first time long after it started: a prompt of 1,500 tokens arrives once an hour. Each first time costs a
-millisecond of building and memory that is never given back, so a soak's RSS creeps up for hours (the bundled model
-under a steady load: +1.26 MiB/min after 30 minutes). Building them all before the first request makes the memory
-a cost paid once, at start-up, and flat from then on:
+about 0.65 MiB each (benchmarks/engine/onednn_primitives.py). Padding the rows to a few sizes bounds how many
+there can be, but a server still meets a size for the first time long after it started: the largest come only
+with the rare step that holds a long prompt. Each first time costs under a millisecond of building and memory
+that is never given back, so a soak's RSS creeps up for hours (the bundled model at 28 req/s, with 126 sizes and
+no warm-up: +1.26 MiB/min over 30 minutes). Building them all before the first request makes the memory a cost
+paid once, at start-up, and flat from then on:
 
     1. record    one decode token of a dummy request through the model and the LM head, inside
                  `record_calls()`: which kinds of linear layer the model has (in, out, bias, post-op, dtype)
     2. warm up   each kind at every row bucket it can meet: the layers of the forward up to the token budget,
-                 the LM head up to the rows a step samples (max_num_seqs, times k + 1 with speculation)
+                 the LM head up to the rows a step samples (max_num_seqs, times k + 1 with speculation;
+                 prompt log-probabilities can bring more, and those sizes are built when they come)
 
-The dummy token writes its K/V into slot 0 of block 0 before any request owns a block: nothing reads it.
+The dummy token writes its K/V into slot 0 of block 0 before any request owns a block: nothing reads it. A draft
+model (speculative decoding) is not warmed up: its primitives are built as its steps meet new sizes.
 """
 
 from __future__ import annotations
