@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 import socket
 import statistics
 import subprocess
@@ -29,6 +30,16 @@ def free_port() -> int:
 def server_env(extra: dict | None = None) -> dict[str, str]:
     """The environment a server child runs in: this checkout's roseinfer importable, no model-hub downloads."""
     return {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **(extra or {})}
+
+
+def cpu_model() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it (what every result names its machine by); platform's guess
+    where there is no such file."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine() or "unknown"
 
 
 def wait_healthy(proc: subprocess.Popen, base_url: str, timeout: float = 120.0, paths: Iterable[str] = ("/health",),

@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 
-from benchmarks.common import REPO
+from benchmarks.common import REPO, cpu_model, server_env
 from benchmarks.serving.serving_model import model_dir
 from roseinfer.entrypoints.allocator import find_allocator
 
@@ -50,7 +49,7 @@ MISS = "create:cache_miss,cpu,inner_product"
 
 def run(warmup: bool, args) -> dict:
     """One engine in its own process: the phases it printed, each with the primitives built since the last."""
-    env = {**os.environ, "ONEDNN_VERBOSE": "profile_create", "PYTHONPATH": str(REPO)}
+    env = server_env({"ONEDNN_VERBOSE": "profile_create"})
     found = find_allocator("auto")
     if found is not None:
         env["LD_PRELOAD"] = found[1]
@@ -66,10 +65,6 @@ def run(warmup: bool, args) -> dict:
             phases.append({**json.loads(line), "primitives_built": built})
             built = 0
     return {"warmup": warmup, "allocator": found[0] if found else "system", "phases": phases}
-
-
-def cpu_model() -> str:
-    return next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
 
 
 def main() -> None:
@@ -89,7 +84,7 @@ def main() -> None:
     # the C++ ops are built the first time a process needs them (in a fresh TORCH_EXTENSIONS_DIR: a minute), not
     # by a measured start
     subprocess.run([sys.executable, "-c", "from roseinfer import custom_ops; custom_ops.available()"], check=True,
-                   cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+                   cwd=REPO, env=server_env())  # fmt: skip
     runs = [run(False, args), run(True, args)]
     print(f"{'warmup':<8} {'phase':<9} {'seconds':>8} {'RSS MiB':>8} {'primitives built':>17}")
     for r in runs:

@@ -33,7 +33,6 @@ achieved against offered output tok/s and p99 TTFT against rate.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.metadata
 import json
 import math
@@ -44,7 +43,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from benchmarks.common import free_port
+from benchmarks.common import cpu_model, free_port
 from benchmarks.serving.bench_serving import json_safe
 from benchmarks.serving.serving_model import model_dir
 from benchmarks.serving.serving_peers import (
@@ -63,12 +62,8 @@ DATA = REPO / "results" / "19-openai-serving"
 
 def environment(cfg: ServerConfig) -> dict:
     """What the numbers depend on besides the code: the CPU, the thread count, the load when we started."""
-    cpu = "unknown"
-    with contextlib.suppress(OSError, StopIteration):
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))  # fmt: skip
-    return {"cpu": cpu, "cores": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)), "threads": cfg.threads,
-            "loadavg_at_start": os.getloadavg(), "python": platform.python_version(),
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
+            "threads": cfg.threads, "loadavg_at_start": os.getloadavg(), "python": platform.python_version(),
             "torch": importlib.metadata.version("torch"), "platform": platform.platform()}  # fmt: skip
 
 
