@@ -350,3 +350,44 @@ def test_gpu_claims_in_code_are_not_prose(tmp_path):
     assert _gpu_claims(tmp_path, code + "The `runs on the GPU` span is code too.\n") == []
     memory_bound = "Decode is memory-bound, and it runs on the GPU.\n"  # "memory-bound" is not a bound on a number
     assert _gpu_claims(tmp_path, memory_bound)
+
+
+def test_a_long_measured_section_fails_and_names_where_the_long_form_goes(tmp_path):
+    from tools.chapters.length import MEASURED_MAX, check_measured, count
+
+    chapter = tmp_path / "07-p" / "README.md"
+    chapter.parent.mkdir()
+    head = "# 07 · P\n\n## Run this chapter\n\nread me\n\n"
+    chapter.write_text(head + "## 9. Measured\n\n" + "word " * (MEASURED_MAX - 3) + "\n")
+    assert count(chapter).reading == 10 and count(chapter).measured == MEASURED_MAX
+    assert check_measured(chapter) == []
+    chapter.write_text(head + "## 9. Measured\n\n" + "word " * (MEASURED_MAX + 1) + "\n")
+    (failure,) = check_measured(chapter)
+    assert f"README.md:7: Measured has {MEASURED_MAX + 4} words" in failure and "results/07-p/README.md" in failure
+
+
+def test_the_readme_reading_times_are_the_counted_ones(tmp_path):
+    from tools.chapters.length import Length, check_readme, summary
+
+    lengths = [Length(f"{n:02d}-x", words, 0, 0) for n, words in [(1, 2400), (2, 3000), (4, 4100), (8, 3600)]]
+    want = summary(lengths)
+    assert (want["shortest words"], want["longest words"], want["shortest minutes"], want["longest minutes"]) == (
+        2400,
+        4100,
+        12,
+        21,
+    )
+    assert (want["core hours"], want["all hours"], want["chapters"]) == (0.5, 1.0, 4)
+    readme = tmp_path / "README.md"
+    good = (
+        "intro\n\n**How long it takes.** A chapter's reading part is 2,400 to 4,100 words (counted): 12 to 21\n"
+        "minutes at 200 words a minute. The core path below is about 0.5 hours of reading, all 4 chapters about 1.0.\n"
+    )
+    readme.write_text(good)
+    assert check_readme(readme, lengths) == []
+    readme.write_text(good.replace("4,100 words", "4,000 words").replace("about 1.0", "about 7"))
+    failures = check_readme(readme, lengths)
+    assert [f.split(": it says ")[1].split(",")[0] for f in failures] == ["longest words 4000", "all hours 7"]
+    assert all(f.startswith("README.md:3:") for f in failures)
+    readme.write_text("no such sentence\n")
+    assert 'no "How long it takes" sentence' in check_readme(readme, lengths)[0]

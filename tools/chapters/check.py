@@ -31,6 +31,8 @@ yet, against the working tree. Files are read with `git show`, so the default mo
 | gpu claims  | no sentence states GPU behaviour as fact ("runs on the GPU", "7.5 µs  | gpu_claims.py     |
 |             | on an H100") unless it or its paragraph says it was never run, is on  |                   |
 |             | paper, written for a GPU, a bound; chapters and README.md             |                   |
+| length      | Measured has at most 2,000 words (the long form goes to               | length.py         |
+|             | results/NN-slug/README.md); README.md's reading times are the counts  |                   |
 | data        | a section with a measured number (a rate, a time, a ratio) has a      | data.py           |
 |             | `Data:` line naming files under results/ that reproduce.py wrote      |                   |
 |             | from a command the chapter shows; a block after the line is the       |                   |
@@ -51,6 +53,8 @@ from tools.chapters.data import check_data, sync
 from tools.chapters.doc import REPO, Block, Snapshots, previous_commit, read_document, stage_commits
 from tools.chapters.excerpts import check_excerpts, match_excerpt
 from tools.chapters.gpu_claims import check_gpu_claims
+from tools.chapters.length import chapters as chapter_lengths
+from tools.chapters.length import check_measured, check_readme
 from tools.chapters.links import check_links
 from tools.chapters.names import check_names
 from tools.chapters.sections import check_sections
@@ -76,6 +80,7 @@ def check_chapter(chapter: Path, commits: dict[str, str], files: Snapshots) -> l
         + check_links(doc, stage)
         + check_sections(doc, stage)
         + check_gpu_claims(doc)
+        + check_measured(chapter)
     )
 
 
@@ -119,7 +124,7 @@ def main(argv: list[str]) -> int:
     if not args.chapters:
         readme = read_document(REPO / "README.md")
         failures += check_words(readme) + check_marks(readme) + check_layout(readme) + check_data(readme)
-        failures += check_gpu_claims(readme)
+        failures += check_gpu_claims(readme) + check_readme(REPO / "README.md", chapter_lengths())
     excerpts = sum(1 for c in chapters for b in code_blocks(c) if b.excerpt_of)
     for failure in failures:
         print(failure)
