@@ -352,8 +352,8 @@ def test_gpu_claims_in_code_are_not_prose(tmp_path):
     assert _gpu_claims(tmp_path, memory_bound)
 
 
-def test_a_long_measured_section_fails_and_names_where_the_long_form_goes(tmp_path):
-    from tools.chapters.length import MEASURED_MAX, check_measured, count
+def test_a_long_chapter_fails_and_a_long_measured_section_names_where_the_long_form_goes(tmp_path):
+    from tools.chapters.length import MEASURED_MAX, READING_MAX, check_measured, count
 
     chapter = tmp_path / "07-p" / "README.md"
     chapter.parent.mkdir()
@@ -364,6 +364,11 @@ def test_a_long_measured_section_fails_and_names_where_the_long_form_goes(tmp_pa
     chapter.write_text(head + "## 9. Measured\n\n" + "word " * (MEASURED_MAX + 1) + "\n")
     (failure,) = check_measured(chapter)
     assert f"README.md:7: Measured has {MEASURED_MAX + 4} words" in failure and "results/07-p/README.md" in failure
+    chapter.write_text(head + "word " * (READING_MAX - 10) + "\n## 9. Measured\n")
+    assert count(chapter).reading == READING_MAX and check_measured(chapter) == []
+    chapter.write_text(head + "word " * (READING_MAX - 9) + "\n## 9. Measured\n")
+    (failure,) = check_measured(chapter)
+    assert f"README.md:1: the reading part (before Measured) has {READING_MAX + 1} words" in failure
 
 
 def test_the_readme_reading_times_are_the_counted_ones(tmp_path):

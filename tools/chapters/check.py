@@ -31,8 +31,9 @@ yet, against the working tree. Files are read with `git show`, so the default mo
 | gpu claims  | no sentence states GPU behaviour as fact ("runs on the GPU", "7.5 µs  | gpu_claims.py     |
 |             | on an H100") unless it or its paragraph says it was never run, is on  |                   |
 |             | paper, written for a GPU, a bound; chapters and README.md             |                   |
-| length      | Measured has at most 2,000 words (the long form goes to               | length.py         |
-|             | results/NN-slug/README.md); README.md's reading times are the counts  |                   |
+| length      | the reading part has at most 4,000 words, Measured at most 2,000 (the | length.py         |
+|             | long form goes to results/NN-slug/README.md); README.md's reading     |                   |
+|             | times are the counts                                                  |                   |
 | data        | a section with a measured number (a rate, a time, a ratio) has a      | data.py           |
 |             | `Data:` line naming files under results/ that reproduce.py wrote      |                   |
 |             | from a command the chapter shows; a block after the line is the       |                   |
