@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import DEFAULT_MODEL
 from test_13_server import assert_engine_empty, serving
 from test_19_server import assert_openai_error
 from test_19_server_ops import metric, read_stream, serve_process
@@ -236,6 +237,10 @@ def test_the_overload_script_counts_every_answer_and_sees_the_server_back_to_idl
     assert rec["poll"]["peak_during_overload"]["waiting"] is not None
     for name in ("before", "after"):
         assert {"achieved_output_tok_s", "p99_ttft_ms", "sustained"} <= set(rec[name])
+    wait = rec["overload"]["first_token_wait"]  # where the answered requests waited: the parts add up to TTFT
+    assert 0 < wait["requests"] <= st["by_status"]["200"]
+    assert all(0 <= wait[part]["p50_ms"] <= wait[part]["p99_ms"] for part in ("in_client", "to_headers",
+                                                                             "headers_to_first_token"))  # fmt: skip
 
 
 # ---- the allocator ------------------------------------------------------------------------------------------------
@@ -279,6 +284,31 @@ def test_warm_up_builds_every_onednn_primitive_before_the_first_request():
     # the bundled GPT-2: 4 kinds of layer at 44 row counts, and the LM head at the 24 of 1 .. max_num_seqs (64)
     assert built(warm) == [4 * 44 + 24, 0, 0]
     assert built(cold)[0] == 0 and sum(built(cold)) > 0
+
+
+def test_the_warm_up_covers_a_draft_model_too(monkeypatch):
+    """With speculative decoding, the draft model's linear layers (another width than the target's) are warmed up
+    with the target's: every oneDNN call a step makes afterwards, target or draft, has a shape the warm-up made."""
+    import torch
+
+    from roseinfer import LLM
+
+    calls, linear = set(), torch.ops.mkldnn._linear_pointwise
+
+    def noting(x, packed, bias, *post_op):
+        out = linear(x, packed, bias, *post_op)
+        calls.add((x.shape[0], x.shape[1], out.shape[1], x.dtype, bias is not None, post_op[0], post_op[2]))
+        return out
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", noting)
+    draft = str(Path(DEFAULT_MODEL).parent / "tiny-shakespeare-draft")  # the bundled draft model: 128 wide
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
+    with LLM(speculative_config=spec, warmup=True, max_num_seqs=8, max_num_batched_tokens=256) as llm:
+        warmed = set(calls)
+        assert {c[1] for c in warmed} >= {128, 256}  # the draft's width and the target's
+        prompts = ["Romeo.\n" * n for n in (1, 3, 7, 20, 45)]
+        llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert calls - warmed == set()
 
 
 def test_the_server_warms_up_by_default_and_llm_does_not():
