@@ -77,6 +77,24 @@ def test_a_run_is_recorded_at_its_stage_with_the_median(tmp_path, monkeypatch):
     assert record["median"] == "scripts/offline_example.py\n.\ntook 2.5 s\n"
 
 
+def test_a_verdict_by_exit_status_is_recorded_only_where_the_run_allows_it(tmp_path, monkeypatch):
+    """A soak prints its numbers and exits 1 when memory grew: with exit_ok = [0, 1] that is a record (each run
+    keeps its status); without, it is a failure, and nothing is written."""
+    monkeypatch.setattr(reproduce, "RESULTS", tmp_path / "results")
+    commits = stage_commits()
+    stages = Stages(commits, None)
+    verdict = "echo 'slope +44.6 MiB/min: NOT flat'; exit 1"
+    try:
+        data = reproduce.reproduce(reproduce.Run(STAGE03, "soak", verdict, exit_ok=(0, 1)), stages, commits[STAGE03])
+        with pytest.raises(RuntimeError, match="exit status 1"):
+            reproduce.reproduce(reproduce.Run(STAGE03, "strict", verdict), stages, commits[STAGE03])
+    finally:
+        stages.close()
+    assert json.loads(data.read_text())["runs"][0] == {"seconds": pytest.approx(0, abs=30), "exit_status": 1,
+                                                       "output": "slope +44.6 MiB/min: NOT flat\n"}  # fmt: skip
+    assert not (tmp_path / "results" / STAGE03 / "strict.json").exists()
+
+
 def _chapter(tmp_path, text: str):
     chapter = tmp_path / STAGE03 / "README.md"
     chapter.parent.mkdir(exist_ok=True)
@@ -133,7 +151,9 @@ def test_a_data_file_exists_and_its_command_is_shown(tmp_path):
 def test_runs_toml_files_use_only_known_keys():
     for toml in sorted(REPO.glob("results/[0-9][0-9]-*/runs.toml")):
         spec = tomllib.loads(toml.read_text())
-        assert all(set(r) <= {"name", "command", "repeats", "where", "record", "timeout"} for r in spec["run"]), toml
+        assert all(
+            set(r) <= {"name", "command", "repeats", "where", "record", "timeout", "exit_ok"} for r in spec["run"]
+        ), toml
 
 
 def test_sync_data_rewrites_from_the_command_line(tmp_path):

@@ -85,6 +85,8 @@ class RequestResult:
     error: str = ""
     status: int | None = None  # the HTTP status (None: no answer came: refused connection, or cut before it)
     retry_after: str | None = None  # the answer's Retry-After header (a 503 that says when to come back)
+    created: float = 0.0  # when the load generator made the request; send_time - created: its wait in the client
+    headers: float | None = None  # the response's headers - send_time (a 200's stream starts when it is admitted)
 
 
 def make_prompt(rng: random.Random, length: int, prompt_kind: str) -> str | list[int]:
@@ -127,6 +129,7 @@ async def _stream_one(client: httpx.AsyncClient, url: str, body: dict, chunk_tim
     token count."""
     usage_tokens: int | None = None
     async with client.stream("POST", url, json=body) as resp:
+        res.headers = time.perf_counter() - res.send_time
         res.status, res.retry_after = resp.status_code, resp.headers.get("retry-after")
         if resp.status_code != 200:
             text = (await resp.aread()).decode(errors="replace")
@@ -159,6 +162,7 @@ async def send_request(
     max_tokens: int,
     timeout: float = 600.0,
     ignore_eos: bool = True,
+    created: float | None = None,
 ) -> RequestResult:
     """Send one streaming completion and time it. Never raises: a failure is a result with ok=False."""
     body: dict = {
@@ -176,6 +180,7 @@ async def send_request(
     res.max_tokens = max_tokens
     chunk_times: list[float] = []
     res.send_time = time.perf_counter()
+    res.created = res.send_time if created is None else created
     try:
         usage_tokens = await asyncio.wait_for(_stream_one(client, url, body, chunk_times, res), timeout)
         res.ok = True

@@ -91,6 +91,21 @@ def count_statuses(sent: list[Sent]) -> dict:
     return out
 
 
+def first_token_wait(sent: list[Sent]) -> dict:
+    """Where the overload's answered requests waited for their first token, p50 / p99 ms of each part: in the load
+    generator (made, not yet sent: its event loop was busy), from sending to the response's headers (connecting,
+    the server's HTTP layer, up to the handler admitting it: a 200 starts its stream then), and from the headers to
+    the first token (the engine's queue and the prefill)."""
+    done = [s.result for s in sent if s.result.status == 200 and s.result.ttft is not None and s.result.headers]
+    parts = {"in_client": [r.send_time - r.created for r in done], "to_headers": [r.headers for r in done],
+             "headers_to_first_token": [r.ttft - r.headers for r in done]}  # fmt: skip
+    out: dict = {"requests": len(done)}
+    for name, values in parts.items():
+        ms = sorted(v * 1e3 for v in values)
+        out[name] = {"p50_ms": percentile(ms, 50), "p99_ms": percentile(ms, 99)}
+    return out
+
+
 def latency_summary(samples: list[list], start: float, end: float) -> dict:
     """count, failed (not a 200), p50 / p99 / max ms of the samples sent in [start, end)."""
     inside = [s for s in samples if start <= s[0] < end]
@@ -192,7 +207,8 @@ def run(args) -> dict:
             bounds["overload"] = (t, t := time.monotonic())
             row = window_row(sent, rate, args.duration, 0.0, args.grace)
             row["errors"] = {e: n for e, n in row["errors"].items() if not e.startswith("RuntimeError: HTTP 503")}
-            record["overload"] = {"rate": rate, "factor": args.factor, "statuses": count_statuses(sent), "row": row}
+            record["overload"] = {"rate": rate, "factor": args.factor, "statuses": count_statuses(sent), "row": row,
+                                  "first_token_wait": first_token_wait(sent)}  # fmt: skip
             record["settle"] = settle(url, args.settle_timeout)
             bounds["settle"] = (t, t := time.monotonic())
             record["after"] = hold_rate(*check)
@@ -237,6 +253,10 @@ def summary(record: dict) -> str:
         for phase, s in p[path].items():
             nums = " ".join("       -" if s[k] is None else f"{s[k]:8.1f}" for k in ("p50_ms", "p99_ms", "max_ms"))
             lines.append(f"/{path:8s}{phase:>9s} {s['count']:6d} {s['failed']:5d} {nums}")
+    wait = o["first_token_wait"]
+    lines.append(f"first-token wait of {wait['requests']} answered requests, p50 / p99 ms: " + ", ".join(
+        f"{name} {wait[name]['p50_ms'] or 0:.0f} / {wait[name]['p99_ms'] or 0:.0f}"
+        for name in ("in_client", "to_headers", "headers_to_first_token")))  # fmt: skip
     peak, se = p["peak_during_overload"], record["settle"]
     lines.append(f"peak during overload: {peak}; after it: {se['gauges']} within {se['seconds']:.1f} s")
     for name in ("before", "after"):

@@ -138,7 +138,8 @@ async def run_window(base_url: str, model: str, rate: float, duration: float, gr
             prompt = make_prompt(draws, draws.randint(*workload.input_len), workload.prompt_kind)
             max_tokens = draws.randint(*workload.output_len)
             left = deadline - time.perf_counter()
-            task = asyncio.create_task(send_request(client, base_url, model, prompt, max_tokens, left, ignore_eos))
+            task = asyncio.create_task(send_request(client, base_url, model, prompt, max_tokens, left, ignore_eos,
+                                                    created=time.perf_counter()))  # fmt: skip
             sent.append((time.perf_counter() - start, max_tokens, task))
             next_at += gaps.expovariate(rate)
         results = await asyncio.gather(*(task for _, _, task in sent))

@@ -5,7 +5,8 @@
     ./scripts/reproduce.sh 09 --only gpt2-t2
     ./scripts/reproduce.sh --list         # what would run, and the data file of each
 
-    results/NN-slug/runs.toml ──► [[run]] name, command, repeats (1), where ("stage" | "main"), record (true)
+    results/NN-slug/runs.toml ──► [[run]] name, command, repeats (1), where ("stage" | "main"), record (true),
+                                  exit_ok ([0]: the exit statuses that are a measurement, not a failure)
          │
          ▼ a worktree of stage NN (roseinfer-NN, beside any ../roseinfer-MM a command names), sharing .venv
     bash -c COMMAND, `repeats` times ──► results/NN-slug/NAME.json
@@ -14,7 +15,9 @@
 
 `median` is the output with every number that differs between runs replaced by its median over the runs (for
 a table printed by a benchmark: the median of each cell, ratios included, i.e. the median of the in-run
-ratios). It is null when the runs do not print the same shape (a different number of lines or words). Paths
+ratios). It is null when the runs do not print the same shape (a different number of lines or words). A
+script that gives its verdict by its exit status (a soak exits 1 when memory grew) is recorded either way when
+its run lists both statuses in `exit_ok`; each run keeps its `exit_status`. Paths
 of the run's folders are written as the chapters show them: `.` for the stage's checkout, `..` for the folder
 the stages sit in. In a command, `{run}` is the run's number (1 to `repeats`) and `{repo}` this checkout (for
 a script newer than the stage). Files a command writes under its checkout's results/NN-slug/ and figures under
@@ -55,6 +58,7 @@ class Run:
     where: str = "stage"  # or "main": this checkout (a script newer than the stage that runs every stage)
     record: bool = True  # false: a setup step (a peer's virtualenv) whose output is no data
     timeout: int = 3600
+    exit_ok: tuple[int, ...] = (0,)  # the statuses whose output is a measurement (a verdict of 1 included)
 
     @property
     def data(self) -> Path:
@@ -63,7 +67,7 @@ class Run:
 
 def load_runs(stage_dir: Path) -> list[Run]:
     spec = tomllib.loads((stage_dir / "runs.toml").read_text(encoding="utf-8"))
-    runs = [Run(stage_dir.name, **entry) for entry in spec.get("run", [])]
+    runs = [Run(stage_dir.name, **{**e, "exit_ok": tuple(e.get("exit_ok", (0,)))}) for e in spec.get("run", [])]
     names = [r.name for r in runs]
     if len(set(names)) != len(names):
         raise ValueError(f"{stage_dir / 'runs.toml'}: run names repeat: {names}")
@@ -151,9 +155,11 @@ def reproduce(r: Run, stages: Stages, commit: str | None) -> Path | None:
         start = time.perf_counter()
         status, output = run(command, where, stages.root / "torch_extensions" / where.name, r.timeout)
         seconds = round(time.perf_counter() - start, 1)
-        if status != 0:
+        if status not in r.exit_ok:
             raise RuntimeError(f"{r.stage} {r.name}: exit status {status}\n{output[-3000:]}")
         runs.append({"seconds": seconds, "output": clean(output, folders)})
+        if status:
+            runs[-1]["exit_status"] = status  # a verdict the run allows (exit_ok)
         if where != REPO:
             copy_back(results, RESULTS / r.stage, before[0])
             copy_back(figures, REPO / "chapters" / r.stage, before[1], "*.png")
