@@ -235,6 +235,7 @@ def test_the_overload_script_counts_every_answer_and_sees_the_server_back_to_idl
             assert set(s) == {"count", "failed", "p50_ms", "p99_ms", "max_ms"} and s["failed"] == 0
         assert rec["poll"][path]["overload"]["count"] >= 20  # every 50 ms for 3 s and more
     assert rec["poll"]["peak_during_overload"]["waiting"] is not None
+    assert rec["poll"]["peak_during_overload"]["established"] >= 1  # the kernel's view of the server's port
     for name in ("before", "after"):
         assert {"achieved_output_tok_s", "p99_ttft_ms", "sustained"} <= set(rec[name])
     wait = rec["overload"]["first_token_wait"]  # where the answered requests waited: the parts add up to TTFT

@@ -95,11 +95,12 @@ def first_token_wait(sent: list[Sent]) -> dict:
     """Where the overload's answered requests waited for their first token, p50 / p99 ms of each part: in the load
     generator (made, not yet sent: its event loop was busy), from sending to the response's headers (connecting,
     the server's HTTP layer, up to the handler admitting it: a 200 starts its stream then), and from the headers to
-    the first token (the engine's queue and the prefill)."""
+    the first token (the engine's queue and the prefill); and for the refused ones, sending to the 503."""
     done = [s.result for s in sent if s.result.status == 200 and s.result.ttft is not None and s.result.headers]
+    refused = [s.result.headers for s in sent if s.result.status == 503 and s.result.headers is not None]
     parts = {"in_client": [r.send_time - r.created for r in done], "to_headers": [r.headers for r in done],
-             "headers_to_first_token": [r.ttft - r.headers for r in done]}  # fmt: skip
-    out: dict = {"requests": len(done)}
+             "headers_to_first_token": [r.ttft - r.headers for r in done], "to_503": refused}  # fmt: skip
+    out: dict = {"requests": len(done), "refused": len(refused)}
     for name, values in parts.items():
         ms = sorted(v * 1e3 for v in values)
         out[name] = {"p50_ms": percentile(ms, 50), "p99_ms": percentile(ms, 99)}
@@ -122,6 +123,9 @@ def poll_summary(samples: dict, bounds: dict[str, tuple[float, float]]) -> dict:
     during = [s for s in samples["metrics"] if start <= s[0] < end and s[2] == 200]
     out["peak_during_overload"] = {name: max((s[3 + i] for s in during if s[3 + i] is not None), default=None)
                                    for i, name in enumerate(("running", "waiting", "kv_cache_usage_perc"))}  # fmt: skip
+    sockets = [s for s in samples.get("sockets", []) if start <= s[0] < end]
+    out["peak_during_overload"] |= {"accept_queue": max((s[1] for s in sockets), default=None),
+                                    "established": max((s[2] for s in sockets), default=None)}  # fmt: skip
     return out
 
 
@@ -256,7 +260,7 @@ def summary(record: dict) -> str:
     wait = o["first_token_wait"]
     lines.append(f"first-token wait of {wait['requests']} answered requests, p50 / p99 ms: " + ", ".join(
         f"{name} {wait[name]['p50_ms'] or 0:.0f} / {wait[name]['p99_ms'] or 0:.0f}"
-        for name in ("in_client", "to_headers", "headers_to_first_token")))  # fmt: skip
+        for name in ("in_client", "to_headers", "headers_to_first_token", "to_503")))  # fmt: skip
     peak, se = p["peak_during_overload"], record["settle"]
     lines.append(f"peak during overload: {peak}; after it: {se['gauges']} within {se['seconds']:.1f} s")
     for name in ("before", "after"):

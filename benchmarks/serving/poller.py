@@ -19,9 +19,14 @@ At the end (stdin closed, or SIGTERM) one JSON object goes to stdout:
      "health":  [[t, ms, status], ...],
      "metrics": [[t, ms, status, running, waiting, kv_cache_usage_perc], ...]}
 
+     "sockets": [[t, accept_queue, established], ...]}
+
 t is `time.monotonic()` when the request was sent (one clock for every process of a Linux machine, so the caller
 can cut the samples into its own phases); ms runs until the whole body was read; status 0 means no answer
-(a refused connection, a timeout). The three gauges are vLLM's, read from the answer (None if absent).
+(a refused connection, a timeout). The three gauges are vLLM's, read from the answer (None if absent). "sockets"
+is what the kernel holds for the server's port (/proc/net/tcp, tcp6), read as often: connections that finished
+the TCP handshake but that the server has not accepted yet (the listening socket's queue), and every connection
+established to the port, accepted or not. A request waiting there has not reached the server's code at all.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
@@ -66,11 +72,39 @@ def poll(base_url: str, path: str, every: float, stop: threading.Event, out: lis
             stop.wait(next_at - time.monotonic())
 
 
+def socket_counts(port: int) -> tuple[int, int]:
+    """(accept queue, established connections) of a local TCP port, from /proc/net/tcp and tcp6: a listening
+    socket's rx_queue is the number of connections waiting for accept()."""
+    queue = established = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) != port:
+                continue
+            if fields[3] == "0A":  # LISTEN
+                queue += int(fields[4].split(":")[1], 16)
+            elif fields[3] == "01":  # ESTABLISHED
+                established += 1
+    return queue, established
+
+
+def watch_sockets(port: int, every: float, stop: threading.Event, out: list) -> None:
+    while not stop.is_set():
+        out.append([round(time.monotonic(), 4), *socket_counts(port)])
+        stop.wait(every)
+
+
 def run(base_url: str, every: float, stop: threading.Event) -> dict:
     """Poll /health and /metrics on two threads until `stop` is set; the samples."""
-    samples: dict = {"every_s": every, "health": [], "metrics": []}
+    samples: dict = {"every_s": every, "health": [], "metrics": [], "sockets": []}
     threads = [threading.Thread(target=poll, args=(base_url, f"/{p}", every, stop, samples[p]), daemon=True)
                for p in ("health", "metrics")]  # fmt: skip
+    port = httpx.URL(base_url).port
+    threads.append(threading.Thread(target=watch_sockets, args=(port, every, stop, samples["sockets"]), daemon=True))
     for t in threads:
         t.start()
     stop.wait()
