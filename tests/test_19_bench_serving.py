@@ -239,3 +239,20 @@ def test_vllm_eager_is_the_same_server_with_enforce_eager(tmp_path, monkeypatch)
     eager = serving_peers.server_spec("vllm-cpu-eager", 8000, serving_peers.ServerConfig())
     assert eager.cmd == [*default.cmd, "--enforce-eager"] and eager.env == default.env
     assert "--enforce-eager" not in default.cmd
+
+
+def test_plot_soak_draws_each_soak_and_prints_its_slope(tmp_path, capsys):
+    """benchmarks/serving/plot_soak.py: one line per soak, and the slope soak_serving.py would judge, printed."""
+    from benchmarks.serving import plot_soak
+
+    flat, growing = tmp_path / "flat.json", tmp_path / "growing.json"
+    flat.write_text(json.dumps({"rss_samples": [[10.0 * i, 700.0] for i in range(30)]}))
+    growing.write_text(json.dumps({"rss_samples": [[10.0 * i, 500.0 + 2.0 * i] for i in range(30)]}))
+    out = tmp_path / "soak.png"
+    assert plot_soak.main([f"flat={flat}", f"growing={growing}", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "flat: 30 samples, 700.0 -> 700.0 MiB; slope +0.00 MiB/min from 58 s" in printed
+    assert "growing: 30 samples, 500.0 -> 558.0 MiB; slope +12.00 MiB/min from 58 s" in printed
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit, match="want LABEL=FILE"):
+        plot_soak.main([str(flat), "--out", str(out)])
