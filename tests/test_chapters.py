@@ -353,21 +353,21 @@ def test_gpu_claims_in_code_are_not_prose(tmp_path):
 
 
 def test_a_long_chapter_fails_and_a_long_measured_section_names_where_the_long_form_goes(tmp_path):
-    from tools.chapters.length import MEASURED_MAX, READING_MAX, check_measured, count
+    from tools.chapters.length import MEASURED_MAX, READING_MAX, check_length, count
 
     chapter = tmp_path / "07-p" / "README.md"
     chapter.parent.mkdir()
     head = "# 07 · P\n\n## Run this chapter\n\nread me\n\n"
     chapter.write_text(head + "## 9. Measured\n\n" + "word " * (MEASURED_MAX - 3) + "\n")
     assert count(chapter).reading == 10 and count(chapter).measured == MEASURED_MAX
-    assert check_measured(chapter) == []
+    assert check_length(chapter) == []
     chapter.write_text(head + "## 9. Measured\n\n" + "word " * (MEASURED_MAX + 1) + "\n")
-    (failure,) = check_measured(chapter)
+    (failure,) = check_length(chapter)
     assert f"README.md:7: Measured has {MEASURED_MAX + 4} words" in failure and "results/07-p/README.md" in failure
     chapter.write_text(head + "word " * (READING_MAX - 10) + "\n## 9. Measured\n")
-    assert count(chapter).reading == READING_MAX and check_measured(chapter) == []
+    assert count(chapter).reading == READING_MAX and check_length(chapter) == []
     chapter.write_text(head + "word " * (READING_MAX - 9) + "\n## 9. Measured\n")
-    (failure,) = check_measured(chapter)
+    (failure,) = check_length(chapter)
     assert f"README.md:1: the reading part (before Measured) has {READING_MAX + 1} words" in failure
 
 

@@ -55,7 +55,7 @@ from tools.chapters.doc import REPO, Block, Snapshots, previous_commit, read_doc
 from tools.chapters.excerpts import check_excerpts, match_excerpt
 from tools.chapters.gpu_claims import check_gpu_claims
 from tools.chapters.length import chapters as chapter_lengths
-from tools.chapters.length import check_measured, check_readme
+from tools.chapters.length import check_length, check_readme
 from tools.chapters.links import check_links
 from tools.chapters.names import check_names
 from tools.chapters.sections import check_sections
@@ -81,7 +81,7 @@ def check_chapter(chapter: Path, commits: dict[str, str], files: Snapshots) -> l
         + check_links(doc, stage)
         + check_sections(doc, stage)
         + check_gpu_claims(doc)
-        + check_measured(chapter)
+        + check_length(chapter)
     )
 
 

@@ -91,7 +91,7 @@ README_CLAIM = re.compile(
 )
 
 
-def check_measured(path: Path) -> list[str]:
+def check_length(path: Path) -> list[str]:
     """Rule 1 for one chapter."""
     x = count(path)
     rel = path.relative_to(REPO) if path.is_relative_to(REPO) else path
