@@ -72,6 +72,25 @@ def test_a_long_single_sequence_is_split_and_merged(n, H, Hkv, dtype, threads):
     check_decode([n], H, Hkv, 64, 16, dtype, seed=n)
 
 
+@pytest.mark.parametrize("D", [64, 40, 72])  # whole vectors of 16, and rows whose last vector is partial
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B_lens", [[33, 16, 200, 1], [700]])  # all heads of a sequence per item; split and merged
+def test_a_half_precision_pool_reads_exactly_the_floats_it_holds(D, dtype, B_lens, threads):
+    """The bf16/fp16 loads widen each element to fp32 exactly, so the kernel on such pools gives what the same
+    kernel gives on the same values held in fp32, rounded to the dtype once at the end: equal, not close."""
+    threads(2)
+    k, v, g = pools(len(B_lens) * 48, 16, 3, D, dtype, seed=D)
+    tables = torch.randperm(len(B_lens) * 48, generator=g).view(len(B_lens), 48).int()
+    lens, q = torch.tensor(B_lens, dtype=torch.int32), torch.randn(len(B_lens), 9, D, generator=g).to(dtype)
+    out = torch.ops.roseinfer.paged_decode(q, k, v, tables, lens, D**-0.5)
+    wide = torch.ops.roseinfer.paged_decode(q.float(), k.float(), v.float(), tables, lens, D**-0.5)
+    assert torch.equal(out, wide.to(dtype))
+    chunk = torch.ops.roseinfer.paged_prefill(q[0, None].repeat(5, 1, 1), k, v, tables[0], B_lens[0] + 4, D**-0.5)
+    wide = torch.ops.roseinfer.paged_prefill(q[0, None].repeat(5, 1, 1).float(), k.float(), v.float(), tables[0],
+                                             B_lens[0] + 4, D**-0.5)  # fmt: skip
+    assert torch.equal(chunk, wide.to(dtype))
+
+
 def test_split_with_sequences_of_different_lengths(threads):
     """Chunks past a short sequence's end hold nothing and must not count in the merge."""
     threads(8)  # 2 sequences x 1 K/V head < 16: split, into ceil(1000 / 256) = 4 chunks each
