@@ -4,8 +4,9 @@ their own (chapter 18).
     python benchmarks/engine/profile_ops.py --model smollm2-135m --threads 2 --json results/18-llama-family/ops.json
 
 32 requests (token-id prompts of 16 to 128 random ids, seed 0), 64 greedy tokens each, max_num_seqs 32, a 4 GiB
-KV pool. `--model` takes what scripts/benchmark.py takes (a directory, or gpt2 / smollm2-135m for random weights).
-The run is timed once without the profiler (tok/s), then profiled.
+KV pool. `--model` takes what scripts/benchmark.py takes (a directory, or gpt2 / smollm2-135m for random weights);
+`--dtype` the weights' and KV cache's dtype (float32 unless given). The run is timed once without the profiler
+(tok/s), then profiled.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from torch.profiler import ProfilerActivity, profile
@@ -34,7 +36,7 @@ def main() -> None:
     from roseinfer import LLM, SamplingParams
 
     model_dir = benchmark.resolve_model(args.model, benchmark.REPO / ".cache" / "random-models")
-    llm = LLM(str(model_dir), device="cpu", dtype="float32", max_num_seqs=32, kv_cache_memory=4 * 2**30)
+    llm = LLM(str(model_dir), device="cpu", dtype=args.dtype, max_num_seqs=32, kv_cache_memory=4 * 2**30)
     rng = random.Random(0)
     vocab = llm.llm_engine.config.model_config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(16, 128))] for _ in range(32)]
@@ -49,13 +51,13 @@ def main() -> None:
     total = sum(e.self_cpu_time_total for e in ops)
     rows = [dict(op=e.key, share=e.self_cpu_time_total / total, self_ms=e.self_cpu_time_total / 1e3, calls=e.count)
             for e in ops[: args.top]]  # fmt: skip
-    print(f"{args.model}, {args.threads} threads: {tok_s:.1f} tok/s without the profiler")
+    print(f"{args.model}, {args.dtype}, {args.threads} threads: {tok_s:.1f} tok/s without the profiler")
     print(f"{'op':<36} {'share':>7} {'self ms':>9} {'calls':>7}")
     for r in rows:
         print(f"{r['op']:<36} {r['share']:>7.1%} {r['self_ms']:>9.1f} {r['calls']:>7}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(dict(model=args.model, threads=args.threads, tok_s=tok_s, ops=rows), indent=1))
+        args.json.write_text(json.dumps(dict(model=args.model, dtype=args.dtype, threads=args.threads, tok_s=tok_s, ops=rows), indent=1))
 
 
 if __name__ == "__main__":
