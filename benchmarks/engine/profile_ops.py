@@ -57,7 +57,8 @@ def main() -> None:
         print(f"{r['op']:<36} {r['share']:>7.1%} {r['self_ms']:>9.1f} {r['calls']:>7}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(dict(model=args.model, dtype=args.dtype, threads=args.threads, tok_s=tok_s, ops=rows), indent=1))
+        record = dict(model=args.model, dtype=args.dtype, threads=args.threads, tok_s=tok_s, ops=rows)
+        args.json.write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":
