@@ -7,6 +7,7 @@ git commit.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import platform
@@ -127,6 +128,12 @@ def percentile(sorted_values: list[float], q: float) -> float:
     lo = math.floor(pos)
     hi = min(lo + 1, len(sorted_values) - 1)
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def write_json(path: Path, record: dict) -> None:
+    """A benchmark's record as indented JSON, its folder made first."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1))
 
 
 def git(*args: str, cwd: Path = REPO, check: bool = True) -> str:

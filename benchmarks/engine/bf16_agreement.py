@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import benchmark
+from benchmarks.common import write_json
 from benchmarks.engine.bench_engines import hf_greedy_reference
 
 
@@ -70,8 +71,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['a'] + ' vs ' + r['b']:<46} {r['equal_requests']:>9} / {r['requests']:<3} {r['prefix_share']:>8.1%}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"model": args.model, "workload": args.workload, "pairs": rows}, indent=1))
+        write_json(args.json, {"model": args.model, "workload": args.workload, "pairs": rows})
     if rows[0]["equal_requests"] != rows[0]["requests"]:
         raise SystemExit("fp32: roseinfer's greedy ids differ from transformers'")
 

@@ -12,14 +12,14 @@ KV pool. `--model` takes what scripts/benchmark.py takes (a directory, or gpt2 /
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks import benchmark  # resolve_model: the same random-weight shapes
+from benchmarks import benchmark
+from benchmarks.common import write_json  # resolve_model: the same random-weight shapes
 
 
 def main() -> None:
@@ -56,9 +56,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['op']:<36} {r['share']:>7.1%} {r['self_ms']:>9.1f} {r['calls']:>7}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        record = dict(model=args.model, dtype=args.dtype, threads=args.threads, tok_s=tok_s, ops=rows)
-        args.json.write_text(json.dumps(record, indent=1))
+        write_json(args.json, dict(model=args.model, dtype=args.dtype, threads=args.threads, tok_s=tok_s, ops=rows))
 
 
 if __name__ == "__main__":
