@@ -1,7 +1,7 @@
 """Greedy agreement in bf16: roseinfer against transformers, each in bf16, and each against fp32 (chapter 20).
 
     python benchmarks/engine/bf16_agreement.py --model roseinfer/models/tiny-llama-shakespeare \\
-        --json results/20-fused-cpu-kernels/agreement-tiny-llama.json
+        --json results/20-fused-cpu-kernels/agreement-bf16-tiny-llama.json
 
 The requests are scripts/benchmark.py's (`--workload`, default small: 128 prompts of random token ids, 32-128
 greedy tokens each, EOS an ordinary token). Four runs of them: roseinfer (`LLM.generate`, at most 32 at a time)

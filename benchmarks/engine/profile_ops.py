@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import benchmark
-from benchmarks.common import write_json  # resolve_model: the same random-weight shapes
+from benchmarks import benchmark  # resolve_model: the same random-weight shapes
+from benchmarks.common import write_json
 
 
 def main() -> None:

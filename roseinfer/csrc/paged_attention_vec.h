@@ -104,8 +104,9 @@ inline Vec sum_lanes(const Vec* v) {
 }
 
 // ask for a row's cache lines ahead of use: blocks are scattered, the prefetcher can't guess. Into L2 (locality
-// 2, prefetcht1), not L1: a token's K and V rows are 24 cache lines in fp32, and asking for them in L1 measured
-// slower (decode of 32 sequences from memory, bench_attention.py: L2 is 1.2x at 1 thread, 1.1x at 2)
+// 2, prefetcht1), not L1: a token's K and V rows are 24 cache lines at SmolLM2's shapes in fp32, and asking for
+// them in L1 measured slower (decode of 32 sequences from memory, bench_attention.py: L2 is 1.2x at 1 thread,
+// 1.1x at 2)
 template <typename T>
 inline void prefetch(const T* p, int64_t D) {
   const char* c = reinterpret_cast<const char*>(p);
