@@ -3,15 +3,15 @@
     python benchmarks/engine/bf16_agreement.py --model roseinfer/models/tiny-llama-shakespeare \\
         --json results/20-fused-cpu-kernels/agreement-bf16-tiny-llama.json
 
-The requests are scripts/benchmark.py's (`--workload`, default small: 128 prompts of random token ids, 32-128
-greedy tokens each, EOS an ordinary token). Four runs of them: roseinfer (`LLM.generate`, at most 32 at a time)
-and transformers (each request alone with its KV cache, `bench_engines.hf_greedy_reference`, what benchmark.py
-checks ids against), each in fp32 and in bf16. In fp32 the two must be equal, request by request (the project's
-guarantee, checked here again). In bf16 neither is fp32: the rounding of every product and sum differs between
-oneDNN's bf16 GEMMs with fp32 accumulation and transformers' bf16 ops, so the greedy ids part where two logits
-are closer than bf16 can tell. For each pair of runs the table gives the requests whose ids are all equal, and
-"prefix": the tokens equal up to the first difference, as a share of all generated tokens (after a difference
-the two runs continue different texts, so later positions are not compared).
+The requests are scripts/benchmark.py's (`--workload`, default small: 128 prompts of random token ids, 32-128 greedy
+tokens each, EOS an ordinary token). Four runs of them: roseinfer (`bench_engines.run_roseinfer`, as benchmark.py
+runs it, at most 32 at a time) and transformers (each request alone with its KV cache,
+`bench_engines.hf_greedy_reference`, what benchmark.py checks ids against), each in fp32 and in bf16. In fp32 the
+two must be equal, request by request (the project's guarantee, checked here again). In bf16 neither is fp32: the
+rounding of every product and sum differs between oneDNN's bf16 GEMMs with fp32 accumulation and transformers' bf16
+ops, so the greedy ids part where two logits are closer than bf16 can tell. For each pair of runs the table gives
+the requests whose ids are all equal, and "prefix": the tokens equal up to the first difference, as a share of all
+generated tokens (after a difference the two runs continue different texts, so later positions are not compared).
 """
 
 from __future__ import annotations
@@ -24,15 +24,7 @@ import torch
 
 from benchmarks import benchmark
 from benchmarks.common import write_json
-from benchmarks.engine.bench_engines import hf_greedy_reference
-
-
-def roseinfer_greedy(wl, model_dir: Path, dtype: torch.dtype) -> list[list[int]]:
-    from roseinfer import LLM, SamplingParams
-
-    llm = LLM(str(model_dir), device="cpu", dtype=dtype, max_num_seqs=32, kv_cache_memory=2**30)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
-    return [list(o.outputs[0].token_ids) for o in llm.generate(wl.prompts, params, use_tqdm=False)]
+from benchmarks.engine.bench_engines import hf_greedy_reference, run_roseinfer
 
 
 def compare(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -60,7 +52,7 @@ def main() -> None:
     cpu, runs = torch.device("cpu"), {}
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).removeprefix("torch.")
-        runs[f"roseinfer {name}"] = roseinfer_greedy(wl, model_dir, dtype)
+        runs[f"roseinfer {name}"] = run_roseinfer(wl, model_dir, cpu, dtype, batch_size=32)[0]
         runs[f"transformers {name}"] = hf_greedy_reference(wl, model_dir, cpu, dtype)
     rose, hf = "roseinfer", "transformers"
     pairs = [(f"{rose} float32", f"{hf} float32"), (f"{rose} bfloat16", f"{hf} bfloat16"),

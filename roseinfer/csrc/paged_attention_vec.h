@@ -37,20 +37,20 @@ inline Vec load_fp8(const Fp8* p, int64_t n) {
   return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
 }
 
+// n <= 16 two-byte elements (bf16 or fp16), zeros after them
+inline __m256i load_halves(const void* p, int64_t n) {
+  return n == N ? _mm256_loadu_si256(static_cast<const __m256i*>(p))
+                : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
+}
+
 // 16 bf16 -> 16 floats: a bf16 is the top half of an fp32, so widen each to 32 bits and move it up by 16. (With
 // ATen's at::vec::load_to_float here instead, bf16 decode of 32 sequences took 2.4-2.6x as long.)
 inline Vec load_bf16(const c10::BFloat16* p, int64_t n) {
-  const __m256i halves = n == N ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                                : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(load_halves(p, n)), 16));
 }
 
 // 16 fp16 -> 16 floats: the F16C conversion, one instruction
-inline Vec load_fp16(const c10::Half* p, int64_t n) {
-  const __m256i halves = n == N ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                                : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
-  return _mm512_cvtph_ps(halves);
-}
+inline Vec load_fp16(const c10::Half* p, int64_t n) { return _mm512_cvtph_ps(load_halves(p, n)); }
 #endif
 
 template <typename T>  // n <= N elements of a K/V/q row as fp32, zeros after them
