@@ -24,10 +24,17 @@ from roseinfer.model_executor.quantization.int8 import (
     int8_mm_reference,
     quantize_weight,
     scaled_int8_quant,
+    scaled_mm_epilogue,
     w8a8_linear_reference,
     w8a16_linear_reference,
 )
-from roseinfer.model_executor.quantization.int8_linear import Int8Linear, int8_mm, quantize_activations, w8a8_linear
+from roseinfer.model_executor.quantization.int8_linear import (
+    Int8Linear,
+    int8_mm,
+    mm_epilogue,
+    quantize_activations,
+    w8a8_linear,
+)
 from tools.models.quantize_w8a8 import quantization_config, quantize_checkpoint
 
 TINY_LLAMA = Path(__file__).parent.parent / "roseinfer" / "models" / "tiny-llama-shakespeare"
@@ -208,3 +215,20 @@ def test_cpp_per_token_quant_equals_reference(shape, dtype):
     x_q, scale = quantize_activations(x, None)
     want_q, want_scale = scaled_int8_quant(x, None)
     assert torch.equal(x_q, want_q) and torch.equal(scale, want_scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 17), (7, 100), (32, 3072), (300, 576)])
+def test_cpp_epilogue_equals_reference(shape, dtype):
+    """csrc/int8_quant.cpp's one-pass epilogue == scaled_mm_epilogue, bit for bit: per-token and static scales,
+    with and without a bias (added after the product is rounded, as the reference does, not fused into an FMA)."""
+    if not cpu_ops_available():
+        pytest.skip("the C++ ops could not be built here")
+    n, out = shape
+    acc = torch.randint(-(2**27), 2**27, shape, dtype=torch.int32)  # large sums: their fp32 conversion rounds too
+    weight_scale = torch.rand(out) * 1e-3
+    for x_scale in (torch.rand(n, 1) * 1e-3, torch.tensor([[0.02]])):
+        for bias in (None, torch.randn(out).to(dtype)):
+            got = mm_epilogue(acc, x_scale, weight_scale, bias, dtype)
+            want = scaled_mm_epilogue(acc, x_scale, weight_scale, bias, dtype)
+            assert got.dtype == want.dtype == dtype and torch.equal(got, want)

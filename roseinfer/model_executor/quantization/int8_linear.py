@@ -10,7 +10,8 @@ On a CPU:
                 x_q · weight_t ── torch._int_mm ──► [N, out] int32 (on a CPU, oneDNN's s8·s8 -> s32 gemm,
                                                     ONEDNN_VERBOSE=1 shows it: gemm_api, ISA "AVX-512
                                                     with Intel DL Boost", i.e. VNNI)
-                s_x · acc · s_w (+ bias) ──► [N, out] in x's dtype
+                s_x · acc · s_w (+ bias) ──► [N, out] in x's dtype (mm_epilogue: one C++ pass over acc,
+                                              csrc/int8_quant.cpp, instead of PyTorch's four)
 
 On CUDA, with triton importable (triton_int8.py; never run on a GPU, tested in Triton's interpreter):
     load time:  weight_t = weight.t(), a view: the kernel reads weight [out, K] as it is, K contiguous
@@ -57,6 +58,7 @@ from roseinfer.model_executor.quantization.int8 import (
 )
 
 INT8PACK_MAX_ROWS = 16  # _weight_int8pack_mm (bf16) beats dequantize + F.linear up to here (measured above)
+EPILOGUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the C++ epilogue writes
 
 
 def int8_mm(x_q: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
@@ -74,6 +76,18 @@ def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | None) -> t
         torch.ops.roseinfer.dynamic_scaled_int8_quant(x_q, x, scale)
         return x_q, scale
     return scaled_int8_quant(x, input_scale)
+
+
+def mm_epilogue(acc: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """`scaled_mm_epilogue`, in one C++ pass on a CPU (bit-equal to it): acc [N, out] int32 -> [N, out]."""
+    fast = acc.device.type == "cpu" and cpu_ops_available() and out_dtype in EPILOGUE_DTYPES
+    fast = fast and x_scale.dtype == weight_scale.dtype == torch.float32 and (bias is None or bias.dtype == out_dtype)
+    if not fast:
+        return scaled_mm_epilogue(acc, x_scale, weight_scale, bias, out_dtype)
+    out = torch.empty(acc.shape, dtype=out_dtype)  # [N, out]
+    torch.ops.roseinfer.int8_scaled_mm_epilogue(out, acc, x_scale.contiguous(), weight_scale.contiguous(), bias)
+    return out
 
 
 @functools.cache
@@ -98,7 +112,7 @@ def w8a8_linear(x: torch.Tensor, weight_t: torch.Tensor, weight_scale: torch.Ten
     lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])  # [N, K]
     x_q, x_scale = quantize_activations(rows, input_scale)
     acc = int8_mm(x_q, weight_t)  # [N, out] int32
-    return scaled_mm_epilogue(acc, x_scale, weight_scale, bias, x.dtype).reshape(*lead, -1)
+    return mm_epilogue(acc, x_scale, weight_scale, bias, x.dtype).reshape(*lead, -1)
 
 
 def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
