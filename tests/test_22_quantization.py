@@ -32,7 +32,9 @@ from roseinfer.model_executor.quantization.int8_linear import (
     Int8Linear,
     int8_mm,
     mm_epilogue,
+    pack_int8_weight,
     quantize_activations,
+    vnni_gemm_available,
     w8a8_linear,
 )
 from tools.models.quantize_w8a8 import quantization_config, quantize_checkpoint
@@ -232,3 +234,53 @@ def test_cpp_epilogue_equals_reference(shape, dtype):
             got = mm_epilogue(acc, x_scale, weight_scale, bias, dtype)
             want = scaled_mm_epilogue(acc, x_scale, weight_scale, bias, dtype)
             assert got.dtype == want.dtype == dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (63, 17), (130, 200)])
+def test_vnni_gemm_equals_reference(shape, dtype, threads):
+    """csrc/int8_gemm.cpp (the packed weight, VNNI, the fused epilogue) == int8_mm_reference + scaled_mm_epilogue,
+    bit for bit: row counts that fill tiles and that leave a part tile, inputs and outputs past a whole 4 and 64
+    (the packing's zero padding), 9 panels over 2 threads (the rows cut in two groups), both scale kinds, a bias."""
+    if not vnni_gemm_available():
+        pytest.skip("no AVX512-VNNI build here")
+    k, n = shape
+    w_q, w_s = quantize_weight(torch.randn(n, k))
+    vnni_weight = pack_int8_weight(w_q)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 5, 6, 7, 32, 48):
+            x = torch.randn(rows, k).to(dtype)
+            for input_scale, bias in ((None, None), (None, torch.randn(n).to(dtype)), (torch.tensor([0.03]), None)):
+                got = w8a8_linear(x, w_q.t().contiguous(), w_s, input_scale, bias, vnni_weight)
+                x_q, x_scale = scaled_int8_quant(x, input_scale)
+                want = scaled_mm_epilogue(int8_mm_reference(x_q, w_q), x_scale, w_s, bias, dtype)
+                assert torch.equal(got, want), (rows, input_scale, bias is None)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_pack_int8_weight_layout():
+    """packed[p, k4, c, j] = weight[64 p + c, 4 k4 + j], zeros past the weight; comp = 128 · each row's sum."""
+    w = torch.randint(-127, 128, (70, 9), dtype=torch.int8)
+    packed, comp = pack_int8_weight(w)
+    assert packed.shape == (2, 3, 64, 4) and comp.shape == (128,)
+    assert packed[1, 2, 5, 0] == w[69, 8] and packed[0, 1, 3, 2] == w[3, 6]
+    assert (packed[1, :, 6:] == 0).all() and (packed[:, 2, :, 1:] == 0).all()
+    assert torch.equal(comp[:70], 128 * w.sum(1, dtype=torch.int32)) and (comp[70:] == 0).all()
+
+
+def test_int8_linear_packs_its_weight_for_the_vnni_gemm():
+    """Loading lays the weight out for both GEMMs; a decode's few rows take int8_gemm, a prefill's many
+    torch._int_mm, and both give what the reference gives."""
+    layer = Int8Linear(96, 80, bias=True)
+    w_q, w_s = quantize_weight(torch.randn(80, 96))
+    layer.load_state_dict({"weight": w_q, "weight_scale": w_s[:, None], "bias": torch.randn(80)})
+    layer.process_weights_after_loading()
+    assert (layer.vnni_weight is not None) == vnni_gemm_available()
+    for rows in (4, 200):  # <= VNNI_MAX_ROWS, and above it
+        x = torch.randn(rows, 96)
+        want = w8a8_linear_reference(x, layer.weight, layer.weight_scale.reshape(-1), None, layer.bias)
+        assert torch.equal(layer(x), want)

@@ -13,7 +13,7 @@
 // four passes over [N, out] (int32 -> fp32, two multiplies, fp32 -> the model's dtype); here one. Each does the
 // reference's arithmetic in the reference's order (a division, not a multiply by 1/scale; the same rounding), so
 // both are equal to it bit for bit.
-#include "vec_utils.h"
+#include "int8_epilogue.h"  // includes vec_utils.h
 
 #include <torch/library.h>
 
@@ -61,50 +61,13 @@ void dynamic_scaled_int8_quant(const at::Tensor& out, const at::Tensor& x, const
   });
 }
 
-// v as it is, hidden from the optimizer: GCC contracts a vector multiply and a following add into one FMA (its
-// default), which would skip the product's rounding the reference does before adding the bias
-inline fVec opaque(fVec v) {
-#if defined(CPU_CAPABILITY_AVX512)
-  __m512 r = v;
-  asm("" : "+v"(r));
-  return r;
-#elif defined(CPU_CAPABILITY_AVX2)
-  __m256 r = v;
-  asm("" : "+x"(r));
-  return r;
-#else
-  return v;
-#endif
-}
-
-// one row of the epilogue: acc [n_out] int32, its token's scale sx, s_w [n_out] fp32, bias [n_out] or null
-template <typename T>
-inline void epilogue_row(const int32_t* acc, float sx, const float* sw, const T* bias, T* out, int64_t n_out) {
-  using iVec = at::vec::Vectorized<int32_t>;
-  const fVec vsx(sx);
-  for (int64_t i = 0; i < n_out; i += kW) {
-    const int64_t n = std::min(kW, n_out - i);
-    const iVec a = n == kW ? iVec::loadu(acc + i) : iVec::loadu(acc + i, n);
-    fVec y = at::vec::convert_to_fp_of_same_size<float>(a) * vsx;  // int32 -> fp32 rounds as acc.float() does
-    y = y * (n == kW ? fVec::loadu(sw + i) : fVec::loadu(sw + i, n));
-    if (bias != nullptr) y = opaque(y) + roseinfer::load_f(bias + i, n);
-    roseinfer::store_f(out + i, y, n);
-  }
-}
-
 void int8_scaled_mm_epilogue(const at::Tensor& out, const at::Tensor& acc, const at::Tensor& x_scale,
                              const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(acc.dim() == 2 && acc.scalar_type() == at::kInt && acc.is_contiguous(),
               "int8_scaled_mm_epilogue: acc [N, out] int32, contiguous, got ", acc.sizes(), " ", acc.scalar_type());
   const int64_t N = acc.size(0), M = acc.size(1);
   TORCH_CHECK(out.sizes() == acc.sizes() && out.is_contiguous(), "int8_scaled_mm_epilogue: out [N, out] like acc");
-  TORCH_CHECK(x_scale.scalar_type() == at::kFloat && x_scale.is_contiguous() &&
-                  (x_scale.numel() == N || x_scale.numel() == 1),
-              "int8_scaled_mm_epilogue: x_scale fp32, [N, 1] or [1, 1]");
-  TORCH_CHECK(weight_scale.scalar_type() == at::kFloat && weight_scale.is_contiguous() && weight_scale.numel() == M,
-              "int8_scaled_mm_epilogue: weight_scale fp32 [out]");
-  TORCH_CHECK(!bias || (bias->scalar_type() == out.scalar_type() && bias->is_contiguous() && bias->numel() == M),
-              "int8_scaled_mm_epilogue: bias [out] in out's dtype");
+  roseinfer::check_epilogue_args("int8_scaled_mm_epilogue", out, N, M, x_scale, weight_scale, bias);
   const int64_t sx_step = x_scale.numel() == N ? 1 : 0;  // per token, or one static scale for every row
   ROSEINFER_DISPATCH_FLOATS(out.scalar_type(), "int8_scaled_mm_epilogue", [&] {
     const int32_t* ap = acc.data_ptr<int32_t>();
@@ -113,7 +76,8 @@ void int8_scaled_mm_epilogue(const at::Tensor& out, const at::Tensor& acc, const
     const scalar_t* bp = bias ? bias->data_ptr<scalar_t>() : nullptr;
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, N, roseinfer::grain_rows(2 * M), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) epilogue_row(ap + r * M, sxp[r * sx_step], swp, bp, op + r * M, M);
+      for (int64_t r = begin; r < end; ++r)
+        roseinfer::epilogue_row(ap + r * M, sxp[r * sx_step], swp, bp, op + r * M, M);
     });
   });
 }

@@ -4,10 +4,15 @@ paths (the references are int8.py).
 W8A8:
 
 On a CPU:
-    load time:  weight [out, K] int8 ── .t().contiguous() ──► weight_t [K, out] int8 (what torch._int_mm reads)
+    load time:  weight [out, K] int8 ── .t() ──► weight_t [K, out], a view (what torch._int_mm reads)
+                weight ── pack_int8_weight ──► vnni_weight: panels of 64 outputs x 4 inputs (what int8_gemm reads)
     each step:  x [N, K] float ── quantize_activations ──► x_q [N, K] int8, s_x (per token: one C++ pass
                                                             per row, csrc/int8_quant.cpp, where it is built)
-                x_q · weight_t ── torch._int_mm ──► [N, out] int32 (on a CPU, oneDNN's s8·s8 -> s32 gemm,
+      up to VNNI_MAX_ROWS rows (decode):
+                x_q · vnni_weight ── int8_gemm ──► [N, out] in x's dtype (csrc/int8_gemm.cpp: vpdpbusd on the
+                                                   weight packed once, the epilogue fused)
+      more rows (prefill):
+                x_q · weight_t ── torch._int_mm ──► [N, out] int32 (oneDNN's s8·s8 -> s32 gemm,
                                                     ONEDNN_VERBOSE=1 shows it: gemm_api, ISA "AVX-512
                                                     with Intel DL Boost", i.e. VNNI)
                 s_x · acc · s_w (+ bias) ──► [N, out] in x's dtype (mm_epilogue: one C++ pass over acc,
@@ -21,7 +26,8 @@ On CUDA, with triton importable (triton_int8.py; never run on a GPU, tested in T
 The integer product is exact, so both paths equal `w8a8_linear_reference` up to the float epilogue (the
 tests check it). `torch._int_mm` exists on CPU and CUDA in torch 2.13; cuBLAS needs more than 16 rows, so
 smaller CUDA batches without triton take the reference GEMM. oneDNN's gemm packs the weight on every call,
-as MKL's sgemm does for fp32 (onednn_linear.py); a weight packed once for an int8 primitive is the next step.
+as MKL's sgemm does for fp32 (onednn_linear.py); at a decode step's few rows int8_gemm, on a weight packed at
+load time, measured faster, and from ~48 rows no slower than it (chapter 22 measures both).
 
 W8A16 (weights int8, activations stay float): y = x · (s_w · W_q)ᵀ. Per weight it stores and reads 1 byte
 instead of 4 (fp32) or 2 (bf16): memory and bandwidth, which is what decode is bound by. It saves no
@@ -47,6 +53,7 @@ import functools
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from roseinfer.custom_ops import available as cpu_ops_available
 from roseinfer.model_executor.quantization.int8 import (
@@ -59,6 +66,8 @@ from roseinfer.model_executor.quantization.int8 import (
 
 INT8PACK_MAX_ROWS = 16  # _weight_int8pack_mm (bf16) beats dequantize + F.linear up to here (measured above)
 EPILOGUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the C++ epilogue writes
+PANEL = 64  # output columns per panel of the packed weight (csrc/int8_gemm.cpp)
+VNNI_MAX_ROWS = 48  # int8_gemm up to here (a decode step's rows); torch._int_mm above, as fast from ~48 (chapter 22)
 
 
 def int8_mm(x_q: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
@@ -66,6 +75,24 @@ def int8_mm(x_q: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
     if x_q.device.type == "cuda" and x_q.shape[0] <= 16:  # cuBLAS' int8 GEMM needs more than 16 rows
         return int8_mm_reference(x_q, weight_t.t())
     return torch._int_mm(x_q, weight_t)
+
+
+@functools.cache
+def vnni_gemm_available() -> bool:
+    """Whether csrc/int8_gemm.cpp was built with AVX512-VNNI (its op says so itself)."""
+    return cpu_ops_available() and torch.ops.roseinfer.int8_gemm_available()
+
+
+def pack_int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, K] int8 -> (packed [P, K4, 64, 4] int8, comp [P * 64] int32), what `int8_gemm` reads:
+    packed[p, k4, c, j] = weight[64 p + c, 4 k4 + j], zero-padded to whole panels of 64 outputs and 4 inputs,
+    so one 64-byte load holds 4 inputs of 16 outputs (a VNNI instruction's operand); comp = 128 · each row's
+    sum, what the kernel's unsigned x (x + 128) adds to every output and must take off."""
+    out, k = weight.shape
+    padded = F.pad(weight, (0, -k % 4, 0, -out % PANEL))  # [P * 64, K4 * 4]
+    packed = padded.reshape(-1, PANEL, padded.shape[1] // 4, 4).permute(0, 2, 1, 3).contiguous()  # [P, K4, 64, 4]
+    comp = 128 * padded.sum(dim=1, dtype=torch.int32)  # [P * 64]
+    return packed, comp
 
 
 def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,12 +105,19 @@ def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | None) -> t
     return scaled_int8_quant(x, input_scale)
 
 
+def fused_epilogue_ok(x_scale: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                      out_dtype: torch.dtype) -> bool:  # fmt: skip
+    """Whether the C++ epilogue (csrc/int8_epilogue.h) takes these: fp32 scales, a bias in the output's dtype."""
+    scales = x_scale.dtype == weight_scale.dtype == torch.float32
+    return out_dtype in EPILOGUE_DTYPES and scales and (bias is None or bias.dtype == out_dtype)
+
+
 def mm_epilogue(acc: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                 out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
     """`scaled_mm_epilogue`, in one C++ pass on a CPU (bit-equal to it): acc [N, out] int32 -> [N, out]."""
-    fast = acc.device.type == "cpu" and cpu_ops_available() and out_dtype in EPILOGUE_DTYPES
-    fast = fast and x_scale.dtype == weight_scale.dtype == torch.float32 and (bias is None or bias.dtype == out_dtype)
-    if not fast:
+    if not (
+        acc.device.type == "cpu" and cpu_ops_available() and fused_epilogue_ok(x_scale, weight_scale, bias, out_dtype)
+    ):
         return scaled_mm_epilogue(acc, x_scale, weight_scale, bias, out_dtype)
     out = torch.empty(acc.shape, dtype=out_dtype)  # [N, out]
     torch.ops.roseinfer.int8_scaled_mm_epilogue(out, acc, x_scale.contiguous(), weight_scale.contiguous(), bias)
@@ -101,16 +135,24 @@ def triton_int8_importable() -> bool:
 
 
 def w8a8_linear(x: torch.Tensor, weight_t: torch.Tensor, weight_scale: torch.Tensor,
-                input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                vnni_weight: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
     """x [..., K] float -> [..., out]: the same math as `w8a8_linear_reference`. weight_t = weightᵀ [K, out],
     laid out at load time. On CUDA with triton: the two Triton kernels, which read weight_t.t() = weight
-    [out, K] through its strides; otherwise the integer GEMM on torch._int_mm."""
+    [out, K] through its strides; on a CPU, up to VNNI_MAX_ROWS rows with `vnni_weight` (pack_int8_weight's): the
+    VNNI GEMM with the epilogue fused; otherwise the integer GEMM on torch._int_mm."""
     if x.is_cuda and triton_int8_importable():
         from roseinfer.model_executor.quantization.triton_int8 import w8a8_linear_triton
 
         return w8a8_linear_triton(x, weight_t.t(), weight_scale, input_scale, bias)
     lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])  # [N, K]
     x_q, x_scale = quantize_activations(rows, input_scale)
+    few = vnni_weight is not None and rows.shape[0] <= VNNI_MAX_ROWS  # a decode step's rows
+    if few and fused_epilogue_ok(x_scale, weight_scale, bias, x.dtype):
+        out = torch.empty(rows.shape[0], weight_scale.numel(), dtype=x.dtype)  # [N, out]
+        x_scale, weight_scale = x_scale.contiguous(), weight_scale.contiguous()
+        torch.ops.roseinfer.int8_gemm(out, x_q.contiguous(), *vnni_weight, x_scale, weight_scale, bias)
+        return out.reshape(*lead, -1)
     acc = int8_mm(x_q, weight_t)  # [N, out] int32
     return mm_epilogue(acc, x_scale, weight_scale, bias, x.dtype).reshape(*lead, -1)
 
@@ -155,21 +197,26 @@ class Int8Linear(_Int8Weights):
         self.input_scale = nn.Parameter(torch.ones(1), requires_grad=False) if static_input else None
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.weight_t: torch.Tensor | None = None  # [in, out] int8, made by process_weights_after_loading
+        self.vnni_weight: tuple[torch.Tensor, torch.Tensor] | None = None  # pack_int8_weight's, CPU with VNNI
         self.use_reference = False  # True: the plain-PyTorch reference (int8.py) instead of the fast path
 
     def process_weights_after_loading(self) -> None:
-        """Lay the weight out as the GEMM reads it (vLLM's name for this load-time step): for torch._int_mm a
-        [in, out] copy; for the Triton kernel (CUDA) a transposed view, no copy: it reads weight [out, in]."""
-        if self.weight.is_cuda and triton_int8_importable():
-            self.weight_t = self.weight.data.t()  # [in, out] view, strides (1, in)
-        else:
+        """Lay the weight out as the GEMMs read it (vLLM's name for this load-time step). weight_t: a transposed
+        view, no copy, for the Triton kernel (CUDA) and for torch._int_mm on a CPU (oneDNN packs it on every call
+        anyway: a contiguous copy measured no faster); a [in, out] copy for cuBLAS. On a CPU with VNNI, also the
+        panels int8_gemm reads: a second byte per weight, a bf16 model's count."""
+        if self.weight.is_cuda and not triton_int8_importable():
             self.weight_t = self.weight.data.t().contiguous()  # [in, out]
+        else:
+            self.weight_t = self.weight.data.t()  # [in, out] view, strides (1, in)
+        if self.weight.device.type == "cpu" and vnni_gemm_available():
+            self.vnni_weight = pack_int8_weight(self.weight.data)  # for up to VNNI_MAX_ROWS rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = self.weight_scale.reshape(-1)  # [out]
         if self.use_reference or self.weight_t is None:
             return w8a8_linear_reference(x, self.weight, scale, self.input_scale, self.bias)
-        return w8a8_linear(x, self.weight_t, scale, self.input_scale, self.bias)
+        return w8a8_linear(x, self.weight_t, scale, self.input_scale, self.bias, self.vnni_weight)
 
 
 class Int8WeightOnlyLinear(_Int8Weights):

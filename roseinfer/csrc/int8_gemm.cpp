@@ -1,0 +1,161 @@
+// W8A8's integer GEMM for a decode step's few rows, on AVX512-VNNI, with the epilogue fused. int8_linear.py packs
+// the weight at load time (pack_int8_weight) and calls it; int8.py's int8_mm_reference and scaled_mm_epilogue are
+// the reference, and the result is equal to theirs bit for bit (integer sums are exact; the epilogue is shared).
+//
+//   torch.ops.roseinfer.int8_gemm(out [N, out], x_q [N, K] int8, packed [P, K4, 64, 4] int8, comp [P * 64] int32,
+//                                 x_scale [N, 1] or [1, 1] fp32, weight_scale [out] fp32, bias [out] or None)
+//
+// vpdpbusd (VNNI) multiplies 4 unsigned bytes by 4 signed bytes and adds the 4 products to an int32 lane: 16 lanes
+// are 16 output columns, each over 4 consecutive k. x is signed, so each byte is made unsigned by adding 128
+// (x ^ 0x80). The sums are then sum_k (x + 128) w = x . w + 128 sum_k w; comp[n] = 128 sum_k w[n, k], made at
+// load time, is taken off again. The packed weight puts the 4 k's of 64 columns in one 256-byte row:
+//
+//   packed[p, k4, c, j] = w[64 p + c, 4 k4 + j]          (zeros past out and past K)
+//
+// A tile is kMR rows x 64 columns: 24 int32 vectors held in registers while the k's stream past; per 4 k's, 4
+// weight loads, one 4-byte broadcast per row and 24 vpdpbusd. Threads split the panels (p); a panel's weights
+// (64 x K bytes: 36 KiB at K = 576) stay in cache while the row tiles pass over them. torch._int_mm (oneDNN) packs
+// the weight on every call; at a decode step's rows this loop over a weight packed once measured faster.
+#include "int8_epilogue.h"  // includes vec_utils.h
+
+#include <torch/library.h>
+
+#include <cstring>
+#include <vector>
+
+namespace {
+constexpr int64_t kPanel = 64;  // output columns per panel: 4 vectors of 16 int32
+constexpr int64_t kMR = 6;      // rows per tile: 6 x 4 accumulators + 4 weight vectors + a broadcast < 32 registers
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512VNNI__)
+constexpr bool kHasVnni = true;
+
+// 4 bytes of x (a row's 4 k's) in every lane
+inline __m512i broadcast4(const uint8_t* p) {
+  int32_t four;
+  std::memcpy(&four, p, 4);
+  return _mm512_set1_epi32(four);
+}
+
+// c += the 4-byte dot products of u (unsigned) and s (signed), per int32 lane: vpdpbusd written as asm, because
+// GCC's own _mm512_dpbusd_epi32 copies each accumulator to a new register and back around every instruction
+inline void dpbusd(__m512i& c, const __m512i& u, const __m512i& s) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(c) : "v"(u), "v"(s));
+}
+
+// acc[r, 64] = x_u8[r] . panel - comp for MR <= 6 rows: x rows of K4 * 4 unsigned bytes, xs apart. The 24
+// accumulators are named variables, not an array: GCC spills an array of them to the stack on every k
+#define ROSEINFER_ROW(r)                                 \
+  if constexpr (MR > r) {                                \
+    const __m512i xv = broadcast4(x + r * xs + 4 * k);   \
+    dpbusd(c##r##0, xv, w0);                \
+    dpbusd(c##r##1, xv, w1);                \
+    dpbusd(c##r##2, xv, w2);                \
+    dpbusd(c##r##3, xv, w3);                \
+  }
+#define ROSEINFER_STORE(r)                                                                         \
+  if constexpr (MR > r) {                                                                          \
+    _mm512_storeu_si512(acc + r * kPanel, _mm512_sub_epi32(c##r##0, _mm512_loadu_si512(comp)));           \
+    _mm512_storeu_si512(acc + r * kPanel + 16, _mm512_sub_epi32(c##r##1, _mm512_loadu_si512(comp + 16))); \
+    _mm512_storeu_si512(acc + r * kPanel + 32, _mm512_sub_epi32(c##r##2, _mm512_loadu_si512(comp + 32))); \
+    _mm512_storeu_si512(acc + r * kPanel + 48, _mm512_sub_epi32(c##r##3, _mm512_loadu_si512(comp + 48))); \
+  }
+
+template <int MR>
+inline void tile(const uint8_t* x, int64_t xs, const int8_t* panel, int64_t K4, const int32_t* comp, int32_t* acc) {
+  const __m512i z = _mm512_setzero_si512();
+  __m512i c00 = z, c01 = z, c02 = z, c03 = z, c10 = z, c11 = z, c12 = z, c13 = z;
+  __m512i c20 = z, c21 = z, c22 = z, c23 = z, c30 = z, c31 = z, c32 = z, c33 = z;
+  __m512i c40 = z, c41 = z, c42 = z, c43 = z, c50 = z, c51 = z, c52 = z, c53 = z;
+  for (int64_t k = 0; k < K4; ++k) {
+    const int8_t* wk = panel + k * kPanel * 4;  // 4 k's of 64 columns: 4 vectors of 16 columns
+    const __m512i w0 = _mm512_loadu_si512(wk), w1 = _mm512_loadu_si512(wk + 64);
+    const __m512i w2 = _mm512_loadu_si512(wk + 128), w3 = _mm512_loadu_si512(wk + 192);
+    ROSEINFER_ROW(0) ROSEINFER_ROW(1) ROSEINFER_ROW(2) ROSEINFER_ROW(3) ROSEINFER_ROW(4) ROSEINFER_ROW(5)
+  }
+  ROSEINFER_STORE(0) ROSEINFER_STORE(1) ROSEINFER_STORE(2) ROSEINFER_STORE(3) ROSEINFER_STORE(4)
+  ROSEINFER_STORE(5)
+}
+#undef ROSEINFER_ROW
+#undef ROSEINFER_STORE
+
+inline void run_tile(int64_t mr, const uint8_t* x, int64_t xs, const int8_t* panel, int64_t K4, const int32_t* comp,
+                     int32_t* acc) {
+  switch (mr) {
+    case 1: return tile<1>(x, xs, panel, K4, comp, acc);
+    case 2: return tile<2>(x, xs, panel, K4, comp, acc);
+    case 3: return tile<3>(x, xs, panel, K4, comp, acc);
+    case 4: return tile<4>(x, xs, panel, K4, comp, acc);
+    case 5: return tile<5>(x, xs, panel, K4, comp, acc);
+    default: return tile<kMR>(x, xs, panel, K4, comp, acc);
+  }
+}
+#else
+constexpr bool kHasVnni = false;
+#endif
+
+bool int8_gemm_available() { return kHasVnni; }
+
+void int8_gemm(const at::Tensor& out, const at::Tensor& x_q, const at::Tensor& packed, const at::Tensor& comp,
+               const at::Tensor& x_scale, const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(kHasVnni, "int8_gemm: this build has no AVX512-VNNI (int8_gemm_available() is false)");
+  TORCH_CHECK(x_q.dim() == 2 && x_q.scalar_type() == at::kChar && x_q.is_contiguous(), "int8_gemm: x_q [N, K] int8");
+  const int64_t N = x_q.size(0), K = x_q.size(1);
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
+                  packed.size(2) == kPanel && packed.size(3) == 4,
+              "int8_gemm: packed [P, K4, 64, 4] int8 (pack_int8_weight), got ", packed.sizes());
+  const int64_t P = packed.size(0), K4 = packed.size(1);
+  TORCH_CHECK(K4 == (K + 3) / 4, "int8_gemm: packed for ", 4 * K4, " inputs, x_q has ", K);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == N && out.is_contiguous(), "int8_gemm: out [N, out], contiguous");
+  const int64_t O = out.size(1);
+  TORCH_CHECK(P == (O + kPanel - 1) / kPanel, "int8_gemm: packed for ", P * kPanel, " outputs, out has ", O);
+  TORCH_CHECK(comp.scalar_type() == at::kInt && comp.is_contiguous() && comp.numel() == P * kPanel,
+              "int8_gemm: comp [P * 64] int32");
+  roseinfer::check_epilogue_args("int8_gemm", out, N, O, x_scale, weight_scale, bias);
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512VNNI__)
+  // x as unsigned bytes (x ^ 0x80 = x + 128), each row padded to 4 * K4 (the padding meets zero weights)
+  const int64_t xs = 4 * K4;
+  std::vector<uint8_t> xu(N * xs, 0);
+  const int8_t* xp = x_q.data_ptr<int8_t>();
+  for (int64_t r = 0; r < N; ++r)
+    for (int64_t k = 0; k < K; ++k) xu[r * xs + k] = static_cast<uint8_t>(xp[r * K + k]) ^ 0x80;
+  const int64_t sx_step = x_scale.numel() == N ? 1 : 0;  // per token, or one static scale for every row
+  // items: (panel p, group of rows). The rows are cut in two groups when the panels do not split evenly over the
+  // threads (9 panels on 2 threads: 5 and 4, where 18 items give 9 and 9); each group then reads the panel again
+  const int64_t threads = at::get_num_threads(), tiles = (N + kMR - 1) / kMR;
+  const int64_t G = threads > 1 && P % threads != 0 && tiles >= 2 ? 2 : 1, group = (tiles + G - 1) / G * kMR;
+  ROSEINFER_DISPATCH_FLOATS(out.scalar_type(), "int8_gemm", [&] {
+    const int8_t* wp = packed.data_ptr<int8_t>();
+    const int32_t* cp = comp.data_ptr<int32_t>();
+    const float* sxp = x_scale.data_ptr<float>();
+    const float* swp = weight_scale.data_ptr<float>();
+    const scalar_t* bp = bias ? bias->data_ptr<scalar_t>() : nullptr;
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, P * G, 1, [&](int64_t begin, int64_t end) {
+      alignas(64) int32_t acc[kMR * kPanel];
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t p = item / G, c0 = p * kPanel, nc = std::min(kPanel, O - c0);
+        const int64_t r_end = std::min(N, (item % G + 1) * group);
+        for (int64_t r0 = item % G * group; r0 < r_end; r0 += kMR) {
+          const int64_t mr = std::min(kMR, r_end - r0);
+          run_tile(mr, xu.data() + r0 * xs, xs, wp + p * K4 * kPanel * 4, K4, cp + c0, acc);
+          for (int64_t r = 0; r < mr; ++r)
+            roseinfer::epilogue_row(acc + r * kPanel, sxp[(r0 + r) * sx_step], swp + c0, bp ? bp + c0 : nullptr,
+                                    op + (r0 + r) * O + c0, nc);
+        }
+      }
+    });
+  });
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(roseinfer, m) {
+  m.def("int8_gemm_available() -> bool", &int8_gemm_available);
+  m.def(
+      "int8_gemm(Tensor(a!) out, Tensor x_q, Tensor packed, Tensor comp, Tensor x_scale, Tensor weight_scale, "
+      "Tensor? bias) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(roseinfer, CPU, m) { m.impl("int8_gemm", &int8_gemm); }
