@@ -115,9 +115,8 @@ def fused_epilogue_ok(x_scale: torch.Tensor, weight_scale: torch.Tensor, bias: t
 def mm_epilogue(acc: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                 out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
     """`scaled_mm_epilogue`, in one C++ pass on a CPU (bit-equal to it): acc [N, out] int32 -> [N, out]."""
-    if not (
-        acc.device.type == "cpu" and cpu_ops_available() and fused_epilogue_ok(x_scale, weight_scale, bias, out_dtype)
-    ):
+    on_cpu_ops = acc.device.type == "cpu" and cpu_ops_available()
+    if not (on_cpu_ops and fused_epilogue_ok(x_scale, weight_scale, bias, out_dtype)):
         return scaled_mm_epilogue(acc, x_scale, weight_scale, bias, out_dtype)
     out = torch.empty(acc.shape, dtype=out_dtype)  # [N, out]
     torch.ops.roseinfer.int8_scaled_mm_epilogue(out, acc, x_scale.contiguous(), weight_scale.contiguous(), bias)
