@@ -113,12 +113,18 @@ void int8_gemm(const at::Tensor& out, const at::Tensor& x_q, const at::Tensor& p
               "int8_gemm: comp [P * 64] int32");
   roseinfer::check_epilogue_args("int8_gemm", out, N, O, x_scale, weight_scale, bias);
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512VNNI__)
-  // x as unsigned bytes (x ^ 0x80 = x + 128), each row padded to 4 * K4 (the padding meets zero weights)
+  // x as unsigned bytes (x ^ 0x80 = x + 128), each row padded to 4 * K4 (the padding meets zero weights), 64 bytes
+  // at a time: with a byte loop here, which GCC left scalar, a 32-row call of SmolLM2's layers took 1.1-1.35x as long
   const int64_t xs = 4 * K4;
   std::vector<uint8_t> xu(N * xs, 0);
   const int8_t* xp = x_q.data_ptr<int8_t>();
+  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t r = 0; r < N; ++r)
-    for (int64_t k = 0; k < K; ++k) xu[r * xs + k] = static_cast<uint8_t>(xp[r * K + k]) ^ 0x80;
+    for (int64_t k = 0; k < K; k += 64) {
+      const __mmask64 m = K - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (K - k)) - 1;
+      const __m512i v = _mm512_maskz_loadu_epi8(m, xp + r * K + k);
+      _mm512_mask_storeu_epi8(xu.data() + r * xs + k, m, _mm512_xor_si512(v, sign));
+    }
   const int64_t sx_step = x_scale.numel() == N ? 1 : 0;  // per token, or one static scale for every row
   // items: (panel p, group of rows). The rows are cut in two groups when the panels do not split evenly over the
   // threads (9 panels on 2 threads: 5 and 4, where 18 items give 9 and 9); each group then reads the panel again
