@@ -14,8 +14,11 @@
 //   acc[R, D] += P[R, n] . V[n, D]         a V row loaded once per RB rows, whose acc stay in registers
 //   l[R]     += rowsum P
 //
-// and the output row is acc / l. A decode with few (sequence, K/V head) pairs for the threads splits each
-// sequence into chunks of kSplit tokens, items of their own, and merges their (acc, m, l) by log-sum-exp.
+// and the output row is acc / l. A decode item's arithmetic also carries the reads of the thread's next item
+// (`Ahead`): its K/V rows are asked for a few cache lines per inner step, so that they arrive from memory while
+// this item computes instead of in a stall at its start. A decode with few (sequence, K/V head) pairs for the
+// threads splits each sequence into chunks of kSplit tokens, items of their own, and merges their (acc, m, l) by
+// log-sum-exp.
 // fp16/bf16 pools are converted to fp32 as they are loaded; so are fp8 (e4m3) pools, whatever q's dtype
 // (kv_cache_dtype="fp8", roseinfer/attention/fp8_kv.py); every sum is fp32.
 #include "paged_attention_vec.h"  // first: it sets at::vec's width
@@ -45,6 +48,24 @@ struct KV {  // one sequence's K/V heads j .. j + heads - 1, read through its bl
     for (int64_t i = 0; i < n; ++i) {
       off[i] = (static_cast<int64_t>(table[b]) * block_size + o) * stride;
       if (++o == block_size) o = 0, ++b;
+    }
+  }
+};
+
+// A thread's next item's first rows (K of its first n tokens, then their V), fetched while this item computes:
+// `per` cache lines at each step() of the item's inner loops, so that the reads from memory spread over all of
+// its arithmetic instead of queueing in bursts. n = 0: nothing to fetch
+template <typename T>
+struct Ahead {
+  const T *k = nullptr, *v = nullptr;
+  const int64_t* off = nullptr;  // [n]: the rows' offsets (KV::rows_at)
+  int64_t n = 0, lines = 0;      // rows of K (and of V), cache lines per row
+  int64_t per = 0, u = 0, line = 0;  // lines per step; the cursor: row u of 2n (K rows, then V rows), its line
+  void step() {
+    for (int64_t i = 0; i < per && u < 2 * n; ++i) {
+      const T* row = u < n ? k + off[u] : v + off[u - n];
+      __builtin_prefetch(reinterpret_cast<const char*>(row) + line * 64, 0, 2);
+      if (++line == lines) line = 0, ++u;
     }
   }
 };
@@ -89,19 +110,24 @@ inline void load_q(Rows& rows, float scale, const F& q_row) {
 // vectors per row when it is a compile-time constant (common head sizes: loops over D unroll), else 0. Rows go
 // RB at a time, their q (step 1) or acc (step 3) held in registers while the tokens stream past
 template <int64_t NV, typename T, typename I>
-void attend(const KV<T, I>& kv, Rows& rows, int64_t t0, int64_t t1) {
+void attend(const KV<T, I>& kv, Rows& rows, int64_t t0, int64_t t1, Ahead<T>& next, bool fetched) {
   constexpr int64_t RB = NV == 0 ? 1 : NV <= 2 ? 8 : NV <= 4 ? 4 : 2, NA = NV ? NV : kMaxD / N;
   const int64_t R = rows.R, D = rows.D, Dv = rows.Dv, nv = NV ? NV : Dv / N, J = kv.heads, Rj = R / J;
+  const int64_t blocks = J * ((Rj + RB - 1) / RB);  // row blocks: each walks the chunk's tokens in steps 1 and 3
   Vec a[RB][NA], x[NA];  // RB rows of q or acc; one K or V row
   for (int64_t c0 = t0; c0 < t1; c0 += kChunk) {
     const int64_t n = std::min(kChunk, t1 - c0), ahead = std::min(n + N, t1 - c0);
     kv.rows_at(c0, ahead, rows.off);  // rows.off[i]: token c0 + i's row
+    // the last chunk brings in the next item's rows, over its 2 * blocks * n inner steps; a first chunk that the
+    // item before brought in fetches only what lies past it
+    if (c0 + kChunk >= t1) next.per = (2 * next.n * next.lines + 2 * blocks * n - 1) / (2 * blocks * n);
+    const bool own = !(fetched && c0 == t0);
     // 1. S[r, t] = q[r] . k[t]: a tile of N tokens at a time, each K row read once per RB rows
     for (int64_t tt = 0; tt < n; tt += N) {
       const int64_t nt = std::min(N, n - tt);
       for (int64_t t = 0; t < nt; ++t) {
-        if (tt + t + N < ahead) prefetch(kv.k + rows.off[tt + t + N], J * D);  // K, a tile ahead
-        prefetch(kv.v + rows.off[tt + t], J * D);  // V of this token, needed in step 3
+        if (tt + t + N < ahead && (own || tt + t + N >= n)) prefetch(kv.k + rows.off[tt + t + N], J * D);  // K
+        if (own) prefetch(kv.v + rows.off[tt + t], J * D);  // V of this token, needed in step 3
       }
       for (int64_t i = 0; i < J; ++i)
         for (int64_t r0 = i * Rj; r0 < (i + 1) * Rj; r0 += RB) {
@@ -110,6 +136,7 @@ void attend(const KV<T, I>& kv, Rows& rows, int64_t t0, int64_t t1) {
             if (r < rb)
               for (int64_t c = 0; c < nv; ++c) a[r][c] = Vec::loadu(rows.q + (r0 + r) * Dv + c * N);
           for (int64_t t = 0; t < nt; ++t) {
+            next.step();
             const T* kp = kv.k + rows.off[tt + t] + i * D;
             for (int64_t c = 0; c < nv; ++c) x[c] = load(kp + c * N, std::min(N, D - c * N));
             for (int64_t r = 0; r < RB; ++r) {
@@ -163,6 +190,7 @@ void attend(const KV<T, I>& kv, Rows& rows, int64_t t0, int64_t t1) {
           if (r < rb)
             for (int64_t c = 0; c < nv; ++c) a[r][c] = Vec::loadu(rows.acc + (r0 + r) * Dv + c * N);
         for (int64_t t = 0; t < tn; ++t) {
+          next.step();
           const T* vp = kv.v + rows.off[t] + i * D;
           for (int64_t c = 0; c < nv; ++c) x[c] = load(vp + c * N, std::min(N, D - c * N));
           for (int64_t r = 0; r < RB; ++r) {
@@ -179,12 +207,12 @@ void attend(const KV<T, I>& kv, Rows& rows, int64_t t0, int64_t t1) {
 }
 
 template <typename T, typename I>  // attend<NV> for this head size
-void run_attend(const KV<T, I>& kv, Rows& rows, int64_t t0, int64_t t1) {
+void run_attend(const KV<T, I>& kv, Rows& rows, int64_t t0, int64_t t1, Ahead<T>& next, bool fetched) {
   switch (rows.D == rows.Dv ? rows.D / N : 0) {
-    case 2: return attend<2>(kv, rows, t0, t1);
-    case 4: return attend<4>(kv, rows, t0, t1);
-    case 8: return attend<8>(kv, rows, t0, t1);
-    default: return attend<0>(kv, rows, t0, t1);
+    case 2: return attend<2>(kv, rows, t0, t1, next, fetched);
+    case 4: return attend<4>(kv, rows, t0, t1, next, fetched);
+    case 8: return attend<8>(kv, rows, t0, t1, next, fetched);
+    default: return attend<0>(kv, rows, t0, t1, next, fetched);
   }
 }
 
@@ -207,15 +235,31 @@ void decode(const T* q, const P* k, const P* v, const I* tables, const I* lens, 
   const bool split = B * NJ < 2 * threads && max_len > kSplit;
   const int64_t C = split ? (max_len + kSplit - 1) / kSplit : 1;
   std::vector<float> partial(split ? B * NJ * C * R * (D + 2) : 0);  // [B, NJ, C, R, D + 2]: acc, m, l
+  struct Item {  // sequence b's K/V heads jg * J .. + J - 1, tokens t0 .. t1 - 1
+    int64_t b, jg, t0, t1;
+    KV<P, I> kv;
+  };
+  auto item_at = [&](int64_t item) {
+    const int64_t b = item / (NJ * C), jg = item / C % NJ, t0 = item % C * kSplit;
+    const int64_t t1 = split ? std::min<int64_t>(lens[b], t0 + kSplit) : lens[b];
+    return Item{b, jg, t0, t1, {k + jg * J * D, v + jg * J * D, tables + b * width, block_size, Hkv * D, J}};
+  };
   at::parallel_for(0, B * NJ * C, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<int64_t> next_off(kChunk);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / (NJ * C), jg = item / C % NJ, c = item % C, n = lens[b], h0 = jg * R;
-      const int64_t t0 = c * kSplit, t1 = split ? std::min(n, t0 + kSplit) : n;
+      const Item it = item_at(item), nx = item_at(std::min(item + 1, end - 1));
+      const int64_t b = it.b, h0 = it.jg * R, n = lens[b];
       Rows rows = scratch(R, D);
       std::fill(rows.limit, rows.limit + R, n);  // a decode sees every token
       load_q<T>(rows, scale, [&](int64_t r) { return q + (b * H + h0 + r) * D; });  // [R, D]
-      KV<P, I> kv{k + jg * J * D, v + jg * J * D, tables + b * width, block_size, Hkv * D, J};
-      if (t0 < t1) run_attend(kv, rows, t0, t1);
+      // the thread's next item, if any: its first chunk's rows come in while this one computes
+      Ahead<P> next;
+      if (item + 1 < end && nx.t0 < nx.t1) {
+        const int64_t lines = (J * D * int64_t(sizeof(P)) + 63) / 64;  // cache lines per row
+        next = {nx.kv.k, nx.kv.v, next_off.data(), std::min(kChunk, nx.t1 - nx.t0), lines};
+        nx.kv.rows_at(nx.t0, next.n, next_off.data());
+      }
+      if (it.t0 < it.t1) run_attend(it.kv, rows, it.t0, it.t1, next, item > begin);
       for (int64_t r = 0; r < R; ++r) {
         if (!split) {
           store_row(out + (b * H + h0 + r) * D, rows, r);
@@ -266,7 +310,8 @@ void prefill(const T* q, const P* k, const P* v, const I* table, T* out, int64_t
       auto row = [&](int64_t r) { return ((i0 + r / G) * H + j * G + r % G) * D; };
       load_q<T>(rows, scale, [&](int64_t r) { return q + row(r); });
       KV<P, I> kv{k + j * D, v + j * D, table, block_size, Hkv * D, 1};
-      run_attend(kv, rows, 0, ctx + i1);
+      Ahead<P> none;  // a prefill item fetches its own rows only
+      run_attend(kv, rows, 0, ctx + i1, none, false);
       for (int64_t r = 0; r < rows.R; ++r) store_row(out + row(r), rows, r);
     }
   });
