@@ -72,8 +72,9 @@ def paged_decode_cpu(
     scale: float,
 ) -> torch.Tensor:  # [B, H, D]
     """Decode attention for a batch, read through the block tables (the signature of the reference's)."""
-    with torch.profiler.record_function("roseinfer::paged_decode_cpu"):  # named in torch.profiler's tables
-        return torch.ops.roseinfer.paged_decode(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale)
+    # (torch.profiler's tables name the op itself, roseinfer::paged_decode: a record_function wrapper here, as in
+    # stage 17, cost ~6 µs a call, 30 times a step)
+    return torch.ops.roseinfer.paged_decode(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale)
 
 
 def paged_prefill_cpu(
@@ -85,5 +86,4 @@ def paged_prefill_cpu(
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
     """Causal attention for one prefill chunk through its block table: query i sees tokens 0 .. seq_len - T + i."""
-    with torch.profiler.record_function("roseinfer::paged_prefill_cpu"):
-        return torch.ops.roseinfer.paged_prefill(q.contiguous(), k_cache, v_cache, block_table, seq_len, scale)
+    return torch.ops.roseinfer.paged_prefill(q.contiguous(), k_cache, v_cache, block_table, seq_len, scale)
