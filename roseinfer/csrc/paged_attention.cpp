@@ -247,14 +247,14 @@ void decode(const T* q, const P* k, const P* v, const I* tables, const I* lens, 
   at::parallel_for(0, B * NJ * C, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<int64_t> next_off(kChunk);
     for (int64_t item = begin; item < end; ++item) {
-      const Item it = item_at(item), nx = item_at(std::min(item + 1, end - 1));
+      const Item it = item_at(item);
       const int64_t b = it.b, h0 = it.jg * R, n = lens[b];
       Rows rows = scratch(R, D);
       std::fill(rows.limit, rows.limit + R, n);  // a decode sees every token
       load_q<T>(rows, scale, [&](int64_t r) { return q + (b * H + h0 + r) * D; });  // [R, D]
       // the thread's next item, if any: its first chunk's rows come in while this one computes
       Ahead<P> next;
-      if (item + 1 < end && nx.t0 < nx.t1) {
+      if (const Item nx = item + 1 < end ? item_at(item + 1) : Item{}; nx.t0 < nx.t1) {
         const int64_t lines = (J * D * int64_t(sizeof(P)) + 63) / 64;  // cache lines per row
         next = {nx.kv.k, nx.kv.v, next_off.data(), std::min(kChunk, nx.t1 - nx.t0), lines};
         nx.kv.rows_at(nx.t0, next.n, next_off.data());
