@@ -273,14 +273,18 @@ def test_pack_int8_weight_layout():
 
 
 def test_int8_linear_packs_its_weight_for_the_vnni_gemm():
-    """Loading lays the weight out for both GEMMs; a decode's few rows take int8_gemm, a prefill's many
-    torch._int_mm, and both give what the reference gives."""
+    """Loading lays the weight out for both GEMMs; with the packed weight any number of rows takes int8_gemm,
+    without it torch._int_mm, and both give what the reference gives."""
     layer = Int8Linear(96, 80, bias=True)
     w_q, w_s = quantize_weight(torch.randn(80, 96))
     layer.load_state_dict({"weight": w_q, "weight_scale": w_s[:, None], "bias": torch.randn(80)})
     layer.process_weights_after_loading()
     assert (layer.vnni_weight is not None) == vnni_gemm_available()
-    for rows in (4, 200):  # <= VNNI_MAX_ROWS, and above it
+    packed = layer.vnni_weight
+    for rows in (4, 200):  # a decode's rows, and a prefill's
         x = torch.randn(rows, 96)
         want = w8a8_linear_reference(x, layer.weight, layer.weight_scale.reshape(-1), None, layer.bias)
+        layer.vnni_weight = packed
+        assert torch.equal(layer(x), want)
+        layer.vnni_weight = None  # torch._int_mm and the one-pass epilogue
         assert torch.equal(layer(x), want)

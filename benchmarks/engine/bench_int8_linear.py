@@ -5,9 +5,9 @@
 Per layer shape (SmolLM2-135M: hidden 576, 9 query / 3 KV heads of 64, intermediate 1536) and row count, the
 median time of: fp32 through oneDNN's packed weight (what the engine runs for float checkpoints), fp32
 through F.linear (MKL), the W8A8 reference (int8.py: int64 matmul), the W8A8 fast path as Int8Linear runs it
-(int8_linear.py: per-token quantization, then up to VNNI_MAX_ROWS rows int8_gemm on the weight packed at load
-time, above that torch._int_mm + the one-pass epilogue), the same without the packed weight (every row count on
-torch._int_mm: the path at stage 22's tag, but for the epilogue), and torch._int_mm alone (the integer GEMM
+(int8_linear.py: per-token quantization, then int8_gemm on the weight packed at load time), the same without the
+packed weight (every row count on torch._int_mm + the one-pass epilogue: the path at stage 22's tag, but for the
+epilogue), and torch._int_mm alone (the integer GEMM
 without the quantization of x and the epilogue). Ratios are against fp32 oneDNN, measured in the same run.
 """
 

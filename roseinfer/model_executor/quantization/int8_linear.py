@@ -8,10 +8,10 @@ On a CPU:
                 weight ── pack_int8_weight ──► vnni_weight: panels of 64 outputs x 4 inputs (what int8_gemm reads)
     each step:  x [N, K] float ── quantize_activations ──► x_q [N, K] int8, s_x (per token: one C++ pass
                                                             per row, csrc/int8_quant.cpp, where it is built)
-      up to VNNI_MAX_ROWS rows (decode):
+      with AVX512-VNNI (any number of rows: decode, prefill, a step of both):
                 x_q · vnni_weight ── int8_gemm ──► [N, out] in x's dtype (csrc/int8_gemm.cpp: vpdpbusd on the
                                                    weight packed once, the epilogue fused)
-      more rows (prefill):
+      without it (or without the C++ ops):
                 x_q · weight_t ── torch._int_mm ──► [N, out] int32 (oneDNN's s8·s8 -> s32 gemm,
                                                     ONEDNN_VERBOSE=1 shows it: gemm_api, ISA "AVX-512
                                                     with Intel DL Boost", i.e. VNNI)
@@ -26,8 +26,10 @@ On CUDA, with triton importable (triton_int8.py; never run on a GPU, tested in T
 The integer product is exact, so both paths equal `w8a8_linear_reference` up to the float epilogue (the
 tests check it). `torch._int_mm` exists on CPU and CUDA in torch 2.13; cuBLAS needs more than 16 rows, so
 smaller CUDA batches without triton take the reference GEMM. oneDNN's gemm packs the weight on every call,
-as MKL's sgemm does for fp32 (onednn_linear.py); at a decode step's few rows int8_gemm, on a weight packed at
-load time, measured faster, and from ~48 rows no slower than it (chapter 22 measures both).
+as MKL's sgemm does for fp32 (onednn_linear.py). int8_gemm, on a weight packed at load time, measured faster
+at a decode step's rows and at the 50-250 rows of the engine's mixed steps (a new prompt beside the running
+sequences' decode rows), most of all at 2 threads, and within a few percent of it at 2048 rows (chapter 22,
+section 9.7, measures both).
 
 W8A16 (weights int8, activations stay float): y = x · (s_w · W_q)ᵀ. Per weight it stores and reads 1 byte
 instead of 4 (fp32) or 2 (bf16): memory and bandwidth, which is what decode is bound by. It saves no
@@ -67,7 +69,6 @@ from roseinfer.model_executor.quantization.int8 import (
 INT8PACK_MAX_ROWS = 16  # _weight_int8pack_mm (bf16) beats dequantize + F.linear up to here (measured above)
 EPILOGUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the C++ epilogue writes
 PANEL = 64  # output columns per panel of the packed weight (csrc/int8_gemm.cpp)
-VNNI_MAX_ROWS = 48  # int8_gemm up to here (a decode step's rows); torch._int_mm above, as fast from ~48 (chapter 22)
 
 
 def int8_mm(x_q: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
@@ -138,16 +139,15 @@ def w8a8_linear(x: torch.Tensor, weight_t: torch.Tensor, weight_scale: torch.Ten
                 vnni_weight: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
     """x [..., K] float -> [..., out]: the same math as `w8a8_linear_reference`. weight_t = weightᵀ [K, out],
     laid out at load time. On CUDA with triton: the two Triton kernels, which read weight_t.t() = weight
-    [out, K] through its strides; on a CPU, up to VNNI_MAX_ROWS rows with `vnni_weight` (pack_int8_weight's): the
-    VNNI GEMM with the epilogue fused; otherwise the integer GEMM on torch._int_mm."""
+    [out, K] through its strides; on a CPU with `vnni_weight` (pack_int8_weight's): the VNNI GEMM with the epilogue
+    fused, at any number of rows; otherwise the integer GEMM on torch._int_mm."""
     if x.is_cuda and triton_int8_importable():
         from roseinfer.model_executor.quantization.triton_int8 import w8a8_linear_triton
 
         return w8a8_linear_triton(x, weight_t.t(), weight_scale, input_scale, bias)
     lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])  # [N, K]
     x_q, x_scale = quantize_activations(rows, input_scale)
-    few = vnni_weight is not None and rows.shape[0] <= VNNI_MAX_ROWS  # a decode step's rows
-    if few and fused_epilogue_ok(x_scale, weight_scale, bias, x.dtype):
+    if vnni_weight is not None and fused_epilogue_ok(x_scale, weight_scale, bias, x.dtype):
         out = torch.empty(rows.shape[0], weight_scale.numel(), dtype=x.dtype)  # [N, out]
         x_scale, weight_scale = x_scale.contiguous(), weight_scale.contiguous()
         torch.ops.roseinfer.int8_gemm(out, x_q.contiguous(), *vnni_weight, x_scale, weight_scale, bias)
@@ -209,7 +209,7 @@ class Int8Linear(_Int8Weights):
         else:
             self.weight_t = self.weight.data.t()  # [in, out] view, strides (1, in)
         if self.weight.device.type == "cpu" and vnni_gemm_available():
-            self.vnni_weight = pack_int8_weight(self.weight.data)  # for up to VNNI_MAX_ROWS rows
+            self.vnni_weight = pack_int8_weight(self.weight.data)  # what int8_gemm reads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = self.weight_scale.reshape(-1)  # [out]
