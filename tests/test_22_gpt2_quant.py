@@ -22,7 +22,8 @@ from safetensors.torch import load_file, save_file
 from test_22_quantization import GREEDY, greedy, logits, matching_prefix
 from test_22_quantization import _config as w8a8_config
 
-from roseinfer import DEFAULT_MODEL, LLM
+from roseinfer import DEFAULT_MODEL, LLM, custom_ops
+from roseinfer.model_executor.activations import NewGELU
 from roseinfer.model_executor.gpt2 import GPT2Config
 from roseinfer.model_executor.loader import load_model, read_model_config
 from roseinfer.model_executor.quantization.compressed_tensors import parse_quantization_config, unpack_int8
@@ -105,7 +106,7 @@ def test_tiny_gpt2_quantized_greedy_agrees_with_fp32(tiny):
 
 @pytest.mark.parametrize("name", ["w8a8", "w8a8-static", "w8a16"])
 def test_reference_layers_equal_the_fast_ones(tiny, name):
-    """use_reference: int8.py's plain-PyTorch math in every layer; the fast path (C++ quantization, torch._int_mm;
+    """use_reference: int8.py's plain-PyTorch math in every layer; the fast path (C++ quantization, int8_gemm;
     W8A16 in fp32 dequantizes, as the reference does) gives the same logits bit for bit."""
     model = load_model(tiny[name], read_model_config(tiny[name]), torch.device("cpu"), torch.float32)
     layers = [m for m in model.modules() if isinstance(m, (Int8Linear, Int8WeightOnlyLinear))]
@@ -125,6 +126,38 @@ def test_batched_equals_unbatched_greedy(tiny, name):
         batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
         alone = [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
     assert batched == alone
+
+
+# ---- GELU's own op: an int8 c_fc has no oneDNN post-op to carry it ----------------------------------------------
+@pytest.mark.skipif(not custom_ops.available(), reason="the C++ extension cannot be built here")
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
+@pytest.mark.parametrize("N, C", [(0, 3072), (1, 3072), (7, 100), (33, 17)])  # C: whole vectors, and a tail
+def test_gelu_new_op_equals_the_reference(dtype, tol, N, C):
+    torch.manual_seed(N + C)
+    act = NewGELU()
+    x = (torch.randn(N, C) * 4).to(dtype)
+    if N:
+        x[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # exp's far ends, and zero
+    torch.testing.assert_close(act.forward_cpu(x), act.forward_native(x), atol=tol, rtol=tol)
+    x3 = (torch.randn(2, 3, C) * 4).to(dtype)  # [B, T, C]
+    torch.testing.assert_close(act.forward_cpu(x3), act.forward_native(x3), atol=tol, rtol=tol)
+    strided = (torch.randn(4, 2 * C) * 4).to(dtype)[:, :C]  # rows further apart than their width
+    torch.testing.assert_close(act.forward_cpu(strided), act.forward_native(strided), atol=tol, rtol=tol)
+    assert act.forward_cpu(x.double()).dtype == torch.float64  # fp64: the reference
+
+
+@pytest.mark.skipif(not custom_ops.available(), reason="the C++ extension cannot be built here")
+def test_int8_gpt2_runs_the_gelu_op_and_gives_the_references_tokens(tiny, monkeypatch):
+    """W8A8 GPT-2 with custom_ops "auto" calls NewGELU's C++ op and gives "native"'s greedy tokens."""
+
+    def tokens(**kwargs) -> list[list[int]]:
+        with LLM(str(tiny["w8a8"]), device="cpu", dtype="float32", **kwargs) as llm:
+            return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+    want = tokens(custom_ops="native")
+    calls, original = [], NewGELU.forward_cpu
+    monkeypatch.setattr(NewGELU, "forward_cpu", lambda self, x: calls.append(x.shape) or original(self, x))
+    assert tokens(custom_ops="auto") == want and calls
 
 
 # ---- what is refused, by name --------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Stage 22 (first part): int8 linear layers and compressed-tensors W8A8 checkpoints.
 
-The references (quantization/int8.py) against float math, the fast path (torch._int_mm) against the
+The references (quantization/int8.py) against float math, the fast paths (int8_gemm, torch._int_mm) against the
 references, and W8A8 checkpoints written by scripts/quantize_w8a8.py loaded end to end: a random Llama and the
 bundled tiny Llama, compared with their fp32 originals. What cannot be run is refused by name.
 """

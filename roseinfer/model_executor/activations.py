@@ -89,3 +89,24 @@ class SiluAndMul(CustomOp):
         out = torch.empty((rows.shape[0], rows.shape[1] // 2), dtype=x.dtype)
         torch.ops.roseinfer.silu_and_mul(out, rows)
         return out.view(*x.shape[:-1], -1)
+
+
+class NewGELU(CustomOp):
+    """GPT-2's GELU, tanh form (vLLM's `NewGELU`): 0.5·x·(1 + tanh(u)), u = √(2/π)·(x + 0.044715·x³).
+
+    PyTorch's CPU kernel calls an accurate vectorised tanh, ~1.9 ns an element on this CPU (6.7% of a W8A8 GPT-2
+    run, where no GEMM carries the GELU as a post-op). The C++ op computes the same function as x / (1 + exp(-2u))
+    (0.5·(1 + tanh u) is the logistic function of 2u) on the exp SiLU uses: ~4× faster, equal to PyTorch's to a
+    few fp32 ulps. On CUDA the reference, one PyTorch kernel already."""
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        return gelu_tanh(x)
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        """torch.ops.roseinfer.gelu_new (roseinfer/csrc/activation.cpp): x [..., C] -> a new [..., C]."""
+        if x.dim() == 0 or x.stride(-1) != 1 or x.dtype not in CPU_KERNEL_DTYPES:
+            return self.forward_native(x)
+        rows = x.reshape(-1, x.shape[-1])  # [N, C]: a view where the leading dims are contiguous, else a copy
+        out = torch.empty(rows.shape, dtype=x.dtype)  # [N, C]
+        torch.ops.roseinfer.gelu_new(out, rows)
+        return out.view(x.shape)

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from roseinfer.attention import AttentionMetadata
-from roseinfer.model_executor.activations import gelu_tanh, get_activation
+from roseinfer.model_executor.activations import NewGELU, gelu_tanh, get_activation
 from roseinfer.model_executor.onednn_linear import pack_linear_layers, pack_weight, packed_linear
 from roseinfer.model_executor.parallel_layers import ColumnParallelLinear, RowParallelLinear, shard_state_dict
 from roseinfer.model_executor.quantization.compressed_tensors import Int8QuantConfig, use_int8_linears
@@ -115,10 +115,11 @@ class MLP(nn.Module):
         inner = cfg.n_inner or 4 * cfg.n_embd
         self.c_fc = ColumnParallelLinear(cfg.n_embd, inner, tp_size)  # inner / tp_size features on this rank
         self.c_proj = RowParallelLinear(inner, cfg.n_embd, tp_size)  # + an all-reduce when tp_size > 1
-        self.act = get_activation(cfg.activation_function)  # gelu_new: GELU with the tanh approximation
+        act = get_activation(cfg.activation_function)  # gelu_new: GELU with the tanh approximation
+        self.act = NewGELU() if act is gelu_tanh else act  # its own op on a CPU (activations.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if getattr(self.c_fc, "packed", None) is not None and self.act is gelu_tanh:  # an int8 c_fc has none
+        if getattr(self.c_fc, "packed", None) is not None and isinstance(self.act, NewGELU):  # int8 c_fc: none
             # oneDNN: c_fc and GELU in one call (the activation as the GEMM's post-op)
             return self.c_proj(packed_linear(x, self.c_fc.packed, self.c_fc.bias, gelu_tanh=True))
         return self.c_proj(self.act(self.c_fc(x)))  # [B, T, C] -> [B, T, inner] -> [B, T, C]
