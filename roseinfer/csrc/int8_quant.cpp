@@ -33,12 +33,18 @@ inline void quant_row(const T* x, int8_t* out, float* scale, int64_t K) {
   const float s = amax > 0.f ? amax / 127.f : 1.f;
   *scale = s;
   const fVec vs(s), lo(-127.f), hi(127.f);
-  float buf[kW];
   for (int64_t i = 0; i < K; i += kW) {
     const int64_t n = std::min(kW, K - i);
-    fVec q = at::vec::clamp((roseinfer::load_f(x + i, n) / vs).round(), lo, hi);
+    fVec q = at::vec::clamp((roseinfer::load_f(x + i, n) / vs).round(), lo, hi);  // whole numbers in [-127, 127]
+#if defined(CPU_CAPABILITY_AVX512)
+    // 16 lanes -> int32 -> their low bytes (vpmovdb), stored at once: the values are whole, so nothing rounds
+    const __mmask16 m = n == kW ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+    _mm_mask_storeu_epi8(out + i, m, _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q)));
+#else
+    float buf[kW];
     q.store(buf, n);
     for (int64_t j = 0; j < n; ++j) out[i + j] = static_cast<int8_t>(buf[j]);
+#endif
   }
 }
 
