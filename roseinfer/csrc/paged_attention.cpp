@@ -34,6 +34,7 @@ constexpr int64_t kChunk = 256;     // tokens whose scores one item keeps at a t
 constexpr int64_t kSplit = 256;     // a decode's context chunk when sequences are split over threads
 constexpr int64_t kMaxD = 512;      // head sizes up to this: a K or V row is kMaxD / N registers
 constexpr int64_t kRows = 32;       // query rows per prefill item (tokens x G heads)
+constexpr int64_t kItemTokens = 16;  // a decode item's setup, counted as this many tokens' reads
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 template <typename T, typename I>
@@ -233,7 +234,7 @@ void decode(const T* q, const P* k, const P* v, const I* tables, const I* lens, 
   // B * Hkv items still leave threads idle, each sequence is also cut into chunks of kSplit tokens
   const int64_t threads = at::get_num_threads(), J = B >= 2 * threads ? Hkv : 1, NJ = Hkv / J, R = J * (H / Hkv);
   const bool split = B * NJ < 2 * threads && max_len > kSplit;
-  const int64_t C = split ? (max_len + kSplit - 1) / kSplit : 1;
+  const int64_t C = split ? (max_len + kSplit - 1) / kSplit : 1, items = B * NJ * C;
   std::vector<float> partial(split ? B * NJ * C * R * (D + 2) : 0);  // [B, NJ, C, R, D + 2]: acc, m, l
   struct Item {  // sequence b's K/V heads jg * J .. + J - 1, tokens t0 .. t1 - 1
     int64_t b, jg, t0, t1;
@@ -244,30 +245,42 @@ void decode(const T* q, const P* k, const P* v, const I* tables, const I* lens, 
     const int64_t t1 = split ? std::min<int64_t>(lens[b], t0 + kSplit) : lens[b];
     return Item{b, jg, t0, t1, {k + jg * J * D, v + jg * J * D, tables + b * width, block_size, Hkv * D, J}};
   };
-  at::parallel_for(0, B * NJ * C, 1, [&](int64_t begin, int64_t end) {
+  // each thread's share: a contiguous range of items of about equal work (the tokens they read, plus kItemTokens
+  // for an item's setup), not of equal count: the engine's sequences differ in length (16 to 256 tokens here)
+  std::vector<int64_t> work(items + 1, 0), bound(threads + 1, items);  // work[i]: items 0 .. i-1's, summed
+  for (int64_t i = 0; i < items; ++i) {
+    const Item it = item_at(i);
+    work[i + 1] = work[i] + std::max<int64_t>(0, it.t1 - it.t0) + kItemTokens;
+  }
+  for (int64_t t = 0; t < threads; ++t)
+    bound[t] = std::lower_bound(work.begin(), work.end() - 1, work[items] * t / threads) - work.begin();
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
     thread_local std::vector<int64_t> next_off(kChunk);
-    for (int64_t item = begin; item < end; ++item) {
-      const Item it = item_at(item);
-      const int64_t b = it.b, h0 = it.jg * R, n = lens[b];
-      Rows rows = scratch(R, D);
-      std::fill(rows.limit, rows.limit + R, n);  // a decode sees every token
-      load_q<T>(rows, scale, [&](int64_t r) { return q + (b * H + h0 + r) * D; });  // [R, D]
-      // the thread's next item, if any: its first chunk's rows come in while this one computes
-      Ahead<P> next;
-      if (const Item nx = item + 1 < end ? item_at(item + 1) : Item{}; nx.t0 < nx.t1) {
-        const int64_t lines = (J * D * int64_t(sizeof(P)) + 63) / 64;  // cache lines per row
-        next = {nx.kv.k, nx.kv.v, next_off.data(), std::min(kChunk, nx.t1 - nx.t0), lines};
-        nx.kv.rows_at(nx.t0, next.n, next_off.data());
-      }
-      if (it.t0 < it.t1) run_attend(it.kv, rows, it.t0, it.t1, next, item > begin);
-      for (int64_t r = 0; r < R; ++r) {
-        if (!split) {
-          store_row(out + (b * H + h0 + r) * D, rows, r);
-          continue;
+    for (int64_t share = first; share < last; ++share) {
+      const int64_t begin = bound[share], end = bound[share + 1];
+      for (int64_t item = begin; item < end; ++item) {
+        const Item it = item_at(item);
+        const int64_t b = it.b, h0 = it.jg * R, n = lens[b];
+        Rows rows = scratch(R, D);
+        std::fill(rows.limit, rows.limit + R, n);  // a decode sees every token
+        load_q<T>(rows, scale, [&](int64_t r) { return q + (b * H + h0 + r) * D; });  // [R, D]
+        // the thread's next item, if any: its first chunk's rows come in while this one computes
+        Ahead<P> next;
+        if (const Item nx = item + 1 < end ? item_at(item + 1) : Item{}; nx.t0 < nx.t1) {
+          const int64_t lines = (J * D * int64_t(sizeof(P)) + 63) / 64;  // cache lines per row
+          next = {nx.kv.k, nx.kv.v, next_off.data(), std::min(kChunk, nx.t1 - nx.t0), lines};
+          nx.kv.rows_at(nx.t0, next.n, next_off.data());
         }
-        float* dst = partial.data() + (item * R + r) * (D + 2);
-        std::copy(rows.acc + r * rows.Dv, rows.acc + r * rows.Dv + D, dst);
-        dst[D] = rows.m[r], dst[D + 1] = rows.l[r];
+        if (it.t0 < it.t1) run_attend(it.kv, rows, it.t0, it.t1, next, item > begin);
+        for (int64_t r = 0; r < R; ++r) {
+          if (!split) {
+            store_row(out + (b * H + h0 + r) * D, rows, r);
+            continue;
+          }
+          float* dst = partial.data() + (item * R + r) * (D + 2);
+          std::copy(rows.acc + r * rows.Dv, rows.acc + r * rows.Dv + D, dst);
+          dst[D] = rows.m[r], dst[D + 1] = rows.l[r];
+        }
       }
     }
   });
