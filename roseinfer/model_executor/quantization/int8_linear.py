@@ -26,10 +26,10 @@ On CUDA, with triton importable (triton_int8.py; never run on a GPU, tested in T
 The integer product is exact, so both paths equal `w8a8_linear_reference` up to the float epilogue (the
 tests check it). `torch._int_mm` exists on CPU and CUDA in torch 2.13; cuBLAS needs more than 16 rows, so
 smaller CUDA batches without triton take the reference GEMM. oneDNN's gemm packs the weight on every call,
-as MKL's sgemm does for fp32 (onednn_linear.py). int8_gemm, on a weight packed at load time, measured faster
-at a decode step's rows and at the 50-250 rows of the engine's mixed steps (a new prompt beside the running
-sequences' decode rows), most of all at 2 threads, and within a few percent of it at 2048 rows (chapter 22,
-section 9.7, measures both).
+as MKL's sgemm does for fp32 (onednn_linear.py). int8_gemm reads a weight packed once, at load time: faster at
+a decode step's rows, 0-20% apart from 128 rows on with one layer's weight in cache, and a W8A8 SmolLM2 run
+8-11% faster once the 50-250 rows of its mixed steps (a new prompt beside the running sequences' decode rows)
+took it too, where each weight comes from memory (chapter 22, section 9.7).
 
 W8A16 (weights int8, activations stay float): y = x · (s_w · W_q)ᵀ. Per weight it stores and reads 1 byte
 instead of 4 (fp32) or 2 (bf16): memory and bandwidth, which is what decode is bound by. It saves no
