@@ -15,8 +15,9 @@
 // A tile is kMR rows x 64 columns: 24 int32 vectors held in registers while the k's stream past; per 4 k's, 4
 // weight loads, one 4-byte broadcast per row and 24 vpdpbusd. Threads split the panels (p); a panel's weights
 // (64 x K bytes: 36 KiB at K = 576) stay in cache while the row tiles pass over them. torch._int_mm (oneDNN) packs
-// the weight on every call and splits a few rows poorly over 2 threads; this loop over a weight packed once
-// measured faster at a decode step's rows and at a mixed step's 50-250, and within a few percent at 2048.
+// the weight on every call; this loop over a weight packed once measured faster at a decode step's rows, 0-20%
+// apart from 128 rows on with one layer's weight in cache, and faster in the engine, where each weight comes from
+// memory, at a mixed step's 50-250 rows too (chapter 22, section 9.7).
 #include "int8_epilogue.h"  // includes vec_utils.h
 
 #include <torch/library.h>
