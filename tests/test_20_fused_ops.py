@@ -11,6 +11,7 @@ import torch
 from conftest import make_llama_checkpoint
 
 from roseinfer import LLM, SamplingParams, custom_ops
+from roseinfer.attention.fp8_kv import write_slots
 from roseinfer.attention.sdpa import write_kv_flat
 from roseinfer.config import EngineArgs
 from roseinfer.model_executor.activations import SiluAndMul
@@ -125,6 +126,53 @@ def test_rotary_turns_q_and_k_in_place_like_the_reference(dtype, is_neox, N, D):
 @needs_ops
 @torch.inference_mode()
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N", [0, 1, 21])
+@pytest.mark.parametrize("heads_apart", [False, True])
+def test_reshape_and_cache_fills_the_slots_index_copy_fills(dtype, N, heads_apart):
+    """csrc/cache.cpp against `index_copy_` into the flat pool (fp8_kv.write_slots), from the strided views of a
+    fused qkv output (a token's heads side by side) and from views whose heads lie apart (one copy per head)."""
+    torch.manual_seed(N)
+    H, Hkv, D, blocks, block = 6, 2, 64, 4, 8
+    if heads_apart:  # [N, Hkv, D] with head stride N * D: the heads of a token are not next to each other
+        k, v = (rand(Hkv, N, D, dtype=dtype).transpose(0, 1) for _ in range(2))
+    else:
+        _, k, v = qkv_views(N, H, Hkv, D, dtype)
+    slots = torch.randperm(blocks * block)[:N]
+    want_kc, want_vc = torch.zeros(2, blocks, block, Hkv, D, dtype=dtype).unbind(0)
+    write_slots(want_kc, slots, k)
+    write_slots(want_vc, slots, v)
+    k_cache, v_cache = torch.zeros(2, blocks, block, Hkv, D, dtype=dtype).unbind(0)
+    torch.ops.roseinfer.reshape_and_cache(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, want_kc) and torch.equal(v_cache, want_vc)  # copies: bit for bit, the rest 0
+    k_cache.zero_()
+    write_kv_flat(k, v, k_cache, v_cache, slots)  # the backends' write goes to the op on a CPU
+    assert torch.equal(k_cache, want_kc)
+
+
+@needs_ops
+@torch.inference_mode()
+def test_reshape_and_cache_names_what_is_wrong():
+    k_cache, v_cache = torch.zeros(2, 4, 8, 2, 64).unbind(0)
+    k, v = rand(3, 2, 64), rand(3, 2, 64)
+    op = torch.ops.roseinfer.reshape_and_cache
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        op(k, v, k_cache, v_cache, torch.tensor([0, 32, 1]))
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        op(k, v, k_cache, v_cache, torch.tensor([0, -1, 1]))
+    assert not k_cache.any()  # slots are checked before anything is written
+    with pytest.raises(RuntimeError, match="slot_mapping must be .N. int64"):
+        op(k, v, k_cache, v_cache, torch.tensor([0, 1, 2], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="key must be in the pool's dtype"):
+        op(k.bfloat16(), v, k_cache, v_cache, torch.tensor([0, 1, 2]))
+    with pytest.raises(RuntimeError, match="value must be .N, Hkv, D. with the pool's Hkv and D"):
+        op(k, rand(3, 4, 32), k_cache, v_cache, torch.tensor([0, 1, 2]))
+    with pytest.raises(RuntimeError, match="same tokens"):
+        op(k, v[:2], k_cache, v_cache, torch.tensor([0, 1, 2]))
+
+
+@needs_ops
+@torch.inference_mode()
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("N", [0, 1, 21])
 def test_rotary_with_the_kv_write_fills_the_slots_the_flat_write_fills(dtype, index_dtype, N):
@@ -136,7 +184,8 @@ def test_rotary_with_the_kv_write_fills_the_slots_the_flat_write_fills(dtype, in
     slots = torch.randperm(blocks * block)[:N]
     want_kc, want_vc = torch.zeros(2, blocks, block, Hkv, D, dtype=dtype).unbind(0)
     want_q, want_k = rope.forward_native(q, k, cos, sin)
-    write_kv_flat(want_k, v, want_kc, want_vc, slots)
+    write_slots(want_kc, slots, want_k)  # index_copy_, the PyTorch write
+    write_slots(want_vc, slots, v)
     k_cache, v_cache = torch.zeros(2, blocks, block, Hkv, D, dtype=dtype).unbind(0)
     rope.set_impl("auto")
     got_q, got_k = rope.forward_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots.to(index_dtype))

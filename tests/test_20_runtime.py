@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -22,6 +27,37 @@ def test_the_benchmark_restarts_itself_on_the_allocator(monkeypatch):
     (path, argv, env), *_ = calls
     assert argv[1:] == ["scripts/benchmark.py", "--threads", "2"]
     assert env["LD_PRELOAD"].startswith("libtcmalloc_minimal.so.4") and env[allocator.MARK] == "tcmalloc"
+    assert env[allocator.HUGE_PAGES] == "1"  # PyTorch's huge pages switch, set for the second start
+    calls.clear()
+    monkeypatch.setenv(allocator.HUGE_PAGES, "0")  # a value of yours is kept
+    allocator.restart_with_allocator([], "auto", program=["scripts/benchmark.py"])
+    assert calls[0][2][allocator.HUGE_PAGES] == "0"
+
+
+def thp_mode() -> str:
+    """The kernel's transparent huge pages setting: the bracketed word of `always [madvise] never`."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "unknown"
+    return text[text.index("[") + 1 : text.index("]")] if "[" in text else "unknown"
+
+
+@pytest.mark.skipif(thp_mode() != "madvise", reason="needs transparent huge pages in `madvise` mode")
+@pytest.mark.parametrize("switch", ["0", "1"])
+def test_the_huge_pages_switch_puts_a_large_tensor_on_2_mib_pages(switch):
+    """With THP_MEM_ALLOC_ENABLE=1 torch asks for huge pages under a 64 MiB tensor (the process's
+    AnonHugePages grows); without it, in `madvise` mode, it gets none."""
+    code = (
+        "import torch, re\n"
+        "x = torch.ones(16 << 20)\n"  # 64 MiB, written: its pages are faulted in
+        "kb = sum(int(n) for n in re.findall(r'AnonHugePages:\\s+(\\d+)', open('/proc/self/smaps').read()))\n"
+        "print(kb)\n"
+    )
+    env = {**os.environ, allocator.HUGE_PAGES: switch}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    huge_kib = int(out.split()[-1])
+    assert (huge_kib >= 32 << 10) if switch == "1" else (huge_kib == 0), huge_kib
 
 
 @pytest.mark.skipif(not custom_ops.available(), reason="the C++ extension cannot be built here")

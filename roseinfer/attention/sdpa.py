@@ -6,6 +6,7 @@ with full-size `torch.where` passes, and its KV write splits slots into (block, 
 two-index scatter. This path does the same math with as few copies as possible:
 
   KV write                                   one index_copy_ into the pool's flat [slots, Hkv, D] view
+                                             (on a CPU, the C++ op reshape_and_cache: one pass, csrc/cache.cpp)
 
   decodes (one query each), a few runs of similar length at once:
       k_cache.index_select(0, block ids)     one copy per *block* (16 slots of [Hkv, D] in a row),
@@ -48,6 +49,7 @@ import torch.nn.functional as F
 
 from roseinfer.attention.fp8_kv import dequantize, write_slots
 from roseinfer.attention.reference import kv_groups
+from roseinfer.custom_ops import available as cpu_ops_available
 
 if TYPE_CHECKING:
     from roseinfer.attention import AttentionMetadata
@@ -83,7 +85,12 @@ def write_kv_flat(
     slot_mapping: torch.Tensor,  # [N] int64, every slot real (this engine never pads)
 ) -> None:
     """Scatter new K/V into the pool: one `index_copy_` per tensor into its flat view
-    [num_blocks * block_size, Hkv, D], where row `slot` is exactly that slot (an fp8 pool: fp8_kv.py)."""
+    [num_blocks * block_size, Hkv, D], where row `slot` is exactly that slot (an fp8 pool: fp8_kv.py).
+    On a CPU, a pool in K's dtype is written by `torch.ops.roseinfer.reshape_and_cache` (csrc/cache.cpp):
+    the same rows, copied in one pass from the strided views without making them contiguous first."""
+    if key.device.type == "cpu" and k_cache.dtype == key.dtype and cpu_ops_available():
+        torch.ops.roseinfer.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+        return
     write_slots(k_cache, slot_mapping, key)
     write_slots(v_cache, slot_mapping, value)
 
