@@ -26,7 +26,7 @@ CPU buffer of 2 MiB or more is then asked of the kernel in 2 MiB pages (`madvise
 and, for each sequence, blocks scattered over a KV pool of gigabytes; in 4 KiB pages nearly every block and
 every few dozen rows of a weight is a page the CPU must look up again (a TLB miss), in 2 MiB pages one lookup
 covers 512 times as much. PyTorch reads the variable once, at its first allocation, so it too takes a restart.
-Chapter 20's section 9.8 measures it.
+Chapter 22's section 9.8 measures it (its long form, and chapter 20's, have every run).
 """
 
 from __future__ import annotations
