@@ -99,7 +99,7 @@ class ModelConfig:
     device: torch.device
     dtype: torch.dtype
     attention_backend: str  # "torch" | "sdpa" | "cpu" | "triton" (never "auto": decided for the device)
-    linear_backend: str = "aten"  # "onednn" | "aten" (never "auto": decided for the device and dtype)
+    linear_backend: str = "aten"  # "dense" | "onednn" | "aten" (never "auto": decided for the device and dtype)
     max_model_len: int = 0  # the context the engine serves: the model's, or less (0: the model's)
     custom_ops: str = "auto"  # "auto" | "native" | "compile": how the layers' small ops run (custom_op.py)
     kv_cache_dtype: torch.dtype | None = None  # the KV pool's: None = dtype; float8_e4m3fn for "fp8" (fp8_kv.py)
@@ -194,7 +194,7 @@ class EngineArgs:
     max_num_seqs: int = _arg(64, "sequences that run together at most")
     max_num_batched_tokens: int | None = _arg(None, "tokens one step computes at most (default 2048)")
     attention_backend: str = _arg("auto", "'auto' (triton on CUDA, cpu on a CPU), 'torch', 'sdpa', 'cpu' or 'triton'")
-    linear_backend: str = _arg("auto", "'auto' (onednn on a CPU in fp32/bf16, else aten), 'onednn' or 'aten'",
+    linear_backend: str = _arg("auto", "'auto' (dense, else onednn, on a CPU; else aten), 'dense', 'onednn', 'aten'",
                                choices=list(LINEAR_BACKENDS))  # fmt: skip
     custom_ops: str = _arg("auto", "RMSNorm, RoPE, SiLU·up: 'auto' (fused C++/Triton), 'native' or 'compile'")
     enable_chunked_prefill: bool = _arg(True, "cut long prompts into chunks that fit the token budget")

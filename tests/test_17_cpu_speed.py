@@ -16,6 +16,7 @@ from roseinfer import LLM, SamplingParams
 from roseinfer.attention import resolve_backend_name
 from roseinfer.attention.cpu_paged import paged_decode_cpu
 from roseinfer.attention.reference import paged_attention_reference
+from roseinfer.model_executor.dense_linear import dense_supported
 from roseinfer.model_executor.onednn_linear import (
     bucket_rows,
     pack_weight,
@@ -97,8 +98,8 @@ def test_packed_linear_in_bf16():
 
 
 def test_the_backend_is_onednn_only_where_it_runs():
-    assert resolve_linear_backend("auto", CPU, torch.float32) == "onednn"
-    assert resolve_linear_backend("auto", CPU, torch.bfloat16) == "onednn"
+    for dtype in (torch.float32, torch.bfloat16):  # stage 20's own GEMM first, where this CPU runs it
+        assert resolve_linear_backend("auto", CPU, dtype) == ("dense" if dense_supported(CPU, dtype) else "onednn")
     assert resolve_linear_backend("auto", CPU, torch.float16) == "aten"
     assert resolve_linear_backend("auto", torch.device("cuda"), torch.float32) == "aten"
     assert resolve_linear_backend("aten", CPU, torch.float32) == "aten"
@@ -130,12 +131,12 @@ def test_greedy_with_packed_weights_equals_hf_and_the_aten_path(tmp_path, tie):
     prompts = [[5, 17, 300, 2], [9] * 11, list(range(40, 61))]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     ids = {}
-    for backend in ("onednn", "aten"):
+    for backend in ("dense", "onednn", "aten") if dense_supported(CPU, torch.float32) else ("onednn", "aten"):
         outs = LLM(str(path), device="cpu", dtype="float32", linear_backend=backend).generate(
             prompts, params, use_tqdm=False
         )
         ids[backend] = [o.token_ids for o in outs]
-    assert ids["onednn"] == ids["aten"]
+    assert ids["onednn"] == ids["aten"] == ids.get("dense", ids["aten"])
     for prompt, got in zip(prompts, ids["onednn"], strict=True):
         hf.generation_config.eos_token_id = None  # ignore_eos: HF must not stop early either
         assert got == hf_greedy(hf, prompt, 24)

@@ -4,6 +4,8 @@ extras is a dict of what else it measured (roseinfer: time to first token, prefi
 
     roseinfer            LLMEngine (what LLM.generate runs), every request added at once
     roseinfer-nocache    the same with enable_prefix_caching=False (stage 10)
+    roseinfer-onednn     the same with linear_backend="onednn": stage 17's oneDNN GEMM instead of stage 20's own
+                         (dense_linear.py), the A/B of that choice in one run
     roseinfer-aten-sdpa  the same with stage 16's CPU paths: linear_backend="aten" (F.linear, no weights packed
                          for oneDNN) and attention_backend="sdpa" (decode blocks gathered, then SDPA)
     hf-generate          AutoModelForCausalLM.generate on left-padded static batches of batch_size
@@ -109,6 +111,10 @@ def run_roseinfer_nocache(wl, model_dir: Path, device, dtype, batch_size: int):
 
 def run_roseinfer_fp8kv(wl, model_dir: Path, device, dtype, batch_size: int):
     return run_roseinfer(wl, model_dir, device, dtype, batch_size, kv_cache_dtype="fp8")
+
+
+def run_roseinfer_onednn(wl, model_dir: Path, device, dtype, batch_size: int):
+    return run_roseinfer(wl, model_dir, device, dtype, batch_size, linear_backend="onednn")
 
 
 def run_roseinfer_aten_sdpa(wl, model_dir: Path, device, dtype, batch_size: int):
@@ -373,6 +379,7 @@ def hf_greedy_reference(wl, model_dir: Path, device, dtype) -> list[list[int]]:
 ENGINES = {
     "roseinfer": run_roseinfer,
     "roseinfer-nocache": run_roseinfer_nocache,
+    "roseinfer-onednn": run_roseinfer_onednn,
     "roseinfer-aten-sdpa": run_roseinfer_aten_sdpa,
     "hf-generate": run_hf_generate,
     "hf-cb": run_hf_cb,

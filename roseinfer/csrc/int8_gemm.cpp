@@ -83,14 +83,7 @@ inline void tile(const uint8_t* x, int64_t xs, const int8_t* panel, int64_t K4, 
 
 inline void run_tile(int64_t mr, const uint8_t* x, int64_t xs, const int8_t* panel, int64_t K4, const int32_t* comp,
                      int32_t* acc) {
-  switch (mr) {
-    case 1: return tile<1>(x, xs, panel, K4, comp, acc);
-    case 2: return tile<2>(x, xs, panel, K4, comp, acc);
-    case 3: return tile<3>(x, xs, panel, K4, comp, acc);
-    case 4: return tile<4>(x, xs, panel, K4, comp, acc);
-    case 5: return tile<5>(x, xs, panel, K4, comp, acc);
-    default: return tile<kMR>(x, xs, panel, K4, comp, acc);
-  }
+  roseinfer::with_tile_rows(mr, [&](auto MR) { tile<MR>(x, xs, panel, K4, comp, acc); });  // mr <= kMR
 }
 #else
 constexpr bool kHasVnni = false;

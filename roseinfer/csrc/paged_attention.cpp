@@ -108,12 +108,13 @@ inline void load_q(Rows& rows, float scale, const F& q_row) {
 
 // every row over tokens t0 .. t1-1 (the header's loop); rows [i * R / heads, (i + 1) * R / heads) read head i
 // of kv, so a token's rows of all kv.heads heads, side by side in the pool, are one contiguous read. NV = D / N
-// vectors per row when it is a compile-time constant (common head sizes: loops over D unroll), else 0. Rows go
-// RB at a time, their q (step 1) or acc (step 3) held in registers while the tokens stream past
+// vectors per row when it is a compile-time constant (D = NV * N: loops over D unroll, loads need no tail test),
+// else 0. Rows go RB at a time, their q (step 1) or acc (step 3) in registers while the tokens stream past. `next`
+// is a copy of the caller's: its cursor stays in registers instead of being stored to memory at every step
 template <int64_t NV, typename T, typename I>
-void attend(const KV<T, I>& kv, Rows& rows, int64_t t0, int64_t t1, Ahead<T>& next, bool fetched) {
+void attend(const KV<T, I>& kv, Rows& rows, int64_t t0, int64_t t1, Ahead<T> next, bool fetched) {
   constexpr int64_t RB = NV == 0 ? 1 : NV <= 2 ? 8 : NV <= 4 ? 4 : 2, NA = NV ? NV : kMaxD / N;
-  const int64_t R = rows.R, D = rows.D, Dv = rows.Dv, nv = NV ? NV : Dv / N, J = kv.heads, Rj = R / J;
+  const int64_t R = rows.R, D = NV ? NV * N : rows.D, Dv = rows.Dv, nv = NV ? NV : Dv / N, J = kv.heads, Rj = R / J;
   const int64_t blocks = J * ((Rj + RB - 1) / RB);  // row blocks: each walks the chunk's tokens in steps 1 and 3
   Vec a[RB][NA], x[NA];  // RB rows of q or acc; one K or V row
   for (int64_t c0 = t0; c0 < t1; c0 += kChunk) {
@@ -216,7 +217,6 @@ void run_attend(const KV<T, I>& kv, Rows& rows, int64_t t0, int64_t t1, Ahead<T>
     default: return attend<0>(kv, rows, t0, t1, next, fetched);
   }
 }
-
 template <typename T>  // out[d] = acc / l, in the output's dtype
 inline void store_row(T* out, const Rows& rows, int64_t r) {
   const float inv = 1.f / rows.l[r];

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from roseinfer.attention import AttentionMetadata
 from roseinfer.model_executor.activations import NewGELU, gelu_tanh, get_activation
+from roseinfer.model_executor.dense_linear import DenseWeight
 from roseinfer.model_executor.onednn_linear import pack_linear_layers, pack_weight, packed_linear
 from roseinfer.model_executor.parallel_layers import ColumnParallelLinear, RowParallelLinear, shard_state_dict
 from roseinfer.model_executor.quantization.compressed_tensors import Int8QuantConfig, use_int8_linears
@@ -154,15 +155,17 @@ class GPT2(nn.Module):
         )
         # the LM head: wteᵀ when tied (GPT-2), else its own [V, C] weight (tie_word_embeddings=false)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.head_packed: torch.Tensor | None = None  # the LM head reordered for oneDNN (pack_for_onednn)
+        self.head_packed: torch.Tensor | DenseWeight | None = None  # the LM head packed (pack_linears)
         if cfg.quantization is not None:  # a W8A8 or W8A16 checkpoint: c_attn, c_proj, c_fc, c_proj hold int8
             use_int8_linears(self.transformer, cfg.quantization, tp_size)
 
-    def pack_for_onednn(self) -> None:
-        """Reorder every linear layer's weight and the LM head's once for oneDNN (onednn_linear.py); the
-        layers use the packed copies from then on. Call it after the weights are loaded and moved."""
-        pack_linear_layers(self.transformer)
-        self.head_packed = pack_weight(self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight)
+    def pack_linears(self, backend: str = "onednn") -> None:
+        """Pack every linear layer's weight and the LM head's once for `backend`'s GEMM: 'dense' (dense_linear.py)
+        or 'onednn' (onednn_linear.py); the layers use the packed copies from then on. Call it after the weights
+        are loaded and moved."""
+        pack_linear_layers(self.transformer, backend)
+        head = self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight  # [V, C]
+        self.head_packed = pack_weight(head, backend)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V], positions 0..T-1, no cache (the naive loop, tests)."""

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from roseinfer.attention import AttentionMetadata
 from roseinfer.attention.sdpa import write_kv_flat
 from roseinfer.model_executor.activations import SiluAndMul
+from roseinfer.model_executor.dense_linear import DenseWeight
 from roseinfer.model_executor.layernorm import RMSNorm
 from roseinfer.model_executor.llama_config import LlamaConfig
 from roseinfer.model_executor.onednn_linear import pack_linear_layers, pack_weight, packed_linear
@@ -131,14 +132,16 @@ class LlamaForCausalLM(nn.Module):
         )
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.head_packed: torch.Tensor | None = None
+        self.head_packed: torch.Tensor | DenseWeight | None = None
         if cfg.quantization is not None:  # a W8A8 or W8A16 checkpoint: the decoder's linears hold int8 weights
             use_int8_linears(self.model, cfg.quantization, tp_size)
 
-    def pack_for_onednn(self) -> None:
-        """Reorder every linear layer's weight and the LM head's once for oneDNN (onednn_linear.py)."""
-        pack_linear_layers(self.model)
-        self.head_packed = pack_weight(self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+    def pack_linears(self, backend: str = "onednn") -> None:
+        """Pack every linear layer's weight and the LM head's once for `backend`'s GEMM: 'dense' (dense_linear.py)
+        or 'onednn' (onednn_linear.py)."""
+        pack_linear_layers(self.model, backend)
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [V, C]
+        self.head_packed = pack_weight(head, backend)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V], positions 0..T-1, no cache."""

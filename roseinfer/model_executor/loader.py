@@ -102,8 +102,8 @@ def load_model(model_dir: Path, cfg: ModelConfigType, device: torch.device, dtyp
                tp_size: int = 1, linear_backend: str = "auto", custom_ops: str = "auto") -> nn.Module:  # fmt: skip
     """The model in eval mode on `device` in `dtype` (the checkpoint's own dtype does not matter: fp32, fp16
     and bf16 weights are all cast). With `tp_size` > 1, only rank `tp_rank`'s shard of the weights (see
-    roseinfer/model_executor/parallel_layers.py). `linear_backend` 'auto' or 'onednn' on a CPU: the linear
-    layers' weights are also reordered for oneDNN (roseinfer/model_executor/onednn_linear.py). `custom_ops`: how
+    roseinfer/model_executor/parallel_layers.py). `linear_backend` 'auto', 'dense' or 'onednn' on a CPU: the
+    linear layers' weights are also packed for that GEMM (dense_linear.py, onednn_linear.py). `custom_ops`: how
     the model's small ops (RMSNorm, RoPE, SiLU·up) run, "auto" | "native" | "compile" (custom_op.py)."""
     linear_backend = resolve_linear_backend(linear_backend, device, dtype)
     model_class = model_class_of(cfg)
@@ -125,7 +125,7 @@ def load_model(model_dir: Path, cfg: ModelConfigType, device: torch.device, dtyp
     net = net.to(device=device, dtype=dtype).eval()
     if quant is not None:
         process_weights_after_loading(net)
-    if linear_backend == "onednn":
-        net.pack_for_onednn()
+    if linear_backend in ("dense", "onednn"):
+        net.pack_linears(linear_backend)
     set_custom_op_impl(net, custom_ops)
     return net

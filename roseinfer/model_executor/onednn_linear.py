@@ -38,8 +38,11 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
-LINEAR_BACKENDS = ("auto", "onednn", "aten")
+from roseinfer.model_executor.dense_linear import DenseWeight, dense_linear, dense_supported, pack_dense_weight
+
+LINEAR_BACKENDS = ("auto", "dense", "onednn", "aten")
 
 
 def onednn_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -48,7 +51,8 @@ def onednn_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """'auto' -> 'onednn' where it runs (a CPU, fp32 or bf16), else 'aten' (F.linear: cuBLAS, or MKL on a CPU)."""
+    """'auto' -> 'dense' where it runs (the project's GEMM, dense_linear.py: a CPU with AVX-512, fp32 or bf16), else
+    'onednn' where that runs (a CPU, fp32 or bf16), else 'aten' (F.linear: cuBLAS, or MKL on a CPU)."""
     if not isinstance(name, str):
         raise TypeError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {name!r}")
     if name not in LINEAR_BACKENDS:
@@ -57,13 +61,20 @@ def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) 
     if name == "onednn" and not ok:
         raise ValueError(f"linear_backend='onednn' runs on a CPU in float32 or bfloat16, not on {device} in {dtype}; "
                          "use 'auto' or 'aten'")  # fmt: skip
+    dense = dense_supported(device, dtype)
+    if name == "dense" and not dense:
+        raise ValueError(f"linear_backend='dense' runs on a CPU with AVX-512 (AVX512-BF16 for bfloat16) in float32 or "
+                         f"bfloat16 with the C++ ops built, not on {device} in {dtype} here; use 'auto'")  # fmt: skip
     if name == "auto":
-        return "onednn" if ok else "aten"
+        return "dense" if dense else "onednn" if ok else "aten"
     return name
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] -> the same matrix reordered into oneDNN's blocked layout (done once; an opaque tensor)."""
+def pack_weight(weight: torch.Tensor, backend: str = "onednn") -> torch.Tensor | DenseWeight:
+    """[out, in] -> the same matrix reordered once: into oneDNN's blocked layout (an opaque tensor), or with
+    backend 'dense' into the panels of dense_linear.py."""
+    if backend == "dense":
+        return pack_dense_weight(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 
@@ -115,9 +126,13 @@ def warm_up(calls: dict, max_rows: int) -> int:
     return n
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, gelu_tanh: bool = False):
+def packed_linear(x: torch.Tensor, packed: torch.Tensor | DenseWeight, bias: torch.Tensor | None,
+                  gelu_tanh: bool = False):  # fmt: skip
     """x [..., in] -> x Wᵀ + b [..., out] through the packed W; `gelu_tanh` also applies GELU (tanh form).
-    The N rows of x are padded to `bucket_rows(N)` for the call, so that oneDNN sees only a few shapes."""
+    For oneDNN the N rows of x are padded to `bucket_rows(N)` for the call, so that it sees only a few shapes."""
+    if isinstance(packed, DenseWeight):  # any row count; the GELU after the GEMM, on its rounded output
+        out = dense_linear(x, packed, bias)
+        return F.gelu(out, approximate="tanh") if gelu_tanh else out
     lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])  # [N, in]
     num_rows = rows.shape[0]
     padded = bucket_rows(num_rows)
@@ -130,12 +145,12 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return out[:num_rows].reshape(*lead, out.shape[-1])  # [..., out]
 
 
-def pack_linear_layers(model: nn.Module) -> int:
-    """Give every `nn.Linear` in `model` a `packed` copy of its weight (layers read it in forward);
+def pack_linear_layers(model: nn.Module, backend: str = "onednn") -> int:
+    """Give every `nn.Linear` in `model` a `packed` copy of its weight for `backend` (layers read it in forward);
     returns how many were packed."""
     n = 0
     for m in model.modules():
         if isinstance(m, nn.Linear):
-            m.packed = pack_weight(m.weight)
+            m.packed = pack_weight(m.weight, backend)
             n += 1
     return n

@@ -4,7 +4,7 @@
         └─► ModelSpec: read the config (every field checked)  ─► build the module  ─► rename its weights
 
 Every class has the same interface for the engine: `forward_paged(input_ids, positions, kv_caches, meta)`,
-`compute_logits(hidden)`, `pack_for_onednn()`, and `convert_state_dict(sd, cfg, tp_rank, tp_size)`
+`compute_logits(hidden)`, `pack_linears(backend)`, and `convert_state_dict(sd, cfg, tp_rank, tp_size)`
 (a transformers checkpoint -> this module's names, this rank's shard). Configs share the engine's view:
 num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, hidden_size, intermediate_size,
 max_position_embeddings, vocab_size, eos_token_id(s), sliding_window.
