@@ -8,6 +8,8 @@ where it runs, and greedy output with it equals transformers' (test_17_cpu_speed
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -119,3 +121,17 @@ def test_bf16_engine_output_agrees_with_onednn():
         ids[backend] = [t for o in outs for t in o.token_ids]
     same = sum(a == b for a, b in zip(ids["dense"], ids["onednn"], strict=True)) / len(ids["dense"])
     assert ids["dense"][:3] == ids["onednn"][:3] and same >= 0.75, same
+
+
+@needs_fp32
+def test_the_benchmark_runs_and_records_both_gemms(tmp_path, monkeypatch):
+    from benchmarks.engine import bench_dense_gemm as bench
+
+    monkeypatch.setattr(bench, "LAYERS", 2)
+    monkeypatch.setattr(bench, "HEAD", (100, 576))
+    out = tmp_path / "dense.json"
+    args = ["--json", str(out), "--threads", "1", "--dtypes", "float32", "--rows", "3", "--repeat", "1"]
+    assert bench.main(args) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["rows"], r["cold"], r["threads"]) for r in rows] == [(3, True, 1), (3, False, 1)]
+    assert all(r["onednn_gflops"] > 0 and r["dense_gflops"] > 0 for r in rows)
