@@ -61,7 +61,7 @@ def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) 
     if name == "onednn" and not ok:
         raise ValueError(f"linear_backend='onednn' runs on a CPU in float32 or bfloat16, not on {device} in {dtype}; "
                          "use 'auto' or 'aten'")  # fmt: skip
-    dense = dense_supported(device, dtype)
+    dense = name in ("dense", "auto") and dense_supported(device, dtype)  # (builds the C++ ops on a CPU, once)
     if name == "dense" and not dense:
         raise ValueError(f"linear_backend='dense' runs on a CPU with AVX-512 (AVX512-BF16 for bfloat16) in float32 or "
                          f"bfloat16 with the C++ ops built, not on {device} in {dtype} here; use 'auto'")  # fmt: skip
