@@ -304,7 +304,8 @@ def test_the_warm_up_covers_a_draft_model_too(monkeypatch):
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", noting)
     draft = str(Path(DEFAULT_MODEL).parent / "tiny-shakespeare-draft")  # the bundled draft model: 128 wide
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
-    with LLM(speculative_config=spec, warmup=True, max_num_seqs=8, max_num_batched_tokens=256) as llm:
+    with LLM(speculative_config=spec, warmup=True, max_num_seqs=8, max_num_batched_tokens=256,
+             linear_backend="onednn") as llm:  # fmt: skip
         warmed = set(calls)
         assert {c[1] for c in warmed} >= {128, 256}  # the draft's width and the target's
         prompts = ["Romeo.\n" * n for n in (1, 3, 7, 20, 45)]

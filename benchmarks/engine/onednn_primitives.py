@@ -5,7 +5,8 @@
 
 oneDNN writes a line for every primitive it builds when `ONEDNN_VERBOSE=profile_create` is set
 (`create:cache_miss`). For each of `warmup=False` and `warmup=True` this starts an engine in a process of its own
-(on the allocator `roseinfer serve` would preload), then serves `--rounds` rounds of `--prompts` prompts of random
+(on the allocator `roseinfer serve` would preload; `linear_backend="onednn"`, which a CPU without the dense GEMM
+gets by default), then serves `--rounds` rounds of `--prompts` prompts of random
 lengths (5 to `--max-prompt` tokens, a new seed each round) and counts, from that log:
 
     at start       seconds to build the engine, its resident memory (VmRSS), inner-product primitives built
@@ -36,7 +37,7 @@ torch.set_num_threads(int(threads))
 def rss():
     return next(int(line.split()[1]) / 1024 for line in open("/proc/self/status") if line.startswith("VmRSS"))
 t0 = time.perf_counter()
-llm = LLM(model or None, warmup=warmup == "1")
+llm = LLM(model or None, warmup=warmup == "1", linear_backend="onednn")
 print(json.dumps({"phase": "start", "s": time.perf_counter() - t0, "rss_mib": rss()}), flush=True)
 for r in range(int(rounds)):
     rng = random.Random(r)
