@@ -17,7 +17,7 @@
 // cache: a step walks 30 layers of them. At SmolLM2's shapes, every layer's weight read once, this loop measured
 // faster than oneDNN's at 1 to 200 rows (chapter 20, section 9.9); with one layer's weight kept in cache the gap is
 // smaller. The sums are fp32 in both, in another order: results agree to fp32 (or bf16) rounding, not bit for bit.
-#include "vec_utils.h"
+#include "panel_gemm.h"  // includes vec_utils.h
 
 #include <torch/library.h>
 
@@ -25,8 +25,8 @@
 #include <vector>
 
 namespace {
-constexpr int64_t kPanel = 64;  // output columns per panel: 4 vectors of 16 fp32
-constexpr int64_t kMR = 6;      // rows per tile: 6 x 4 accumulators + 4 weight vectors + a broadcast < 32 registers
+using roseinfer::kMR;
+using roseinfer::kPanel;  // 4 vectors of 16 fp32
 
 #if defined(CPU_CAPABILITY_AVX512)
 template <typename T>
@@ -111,22 +111,12 @@ void gemm(const T* xp, int64_t N, int64_t K, const T* wp, int64_t P, int64_t Kp,
   std::vector<T> padded(xs == K ? 0 : N * xs, T(0));
   for (int64_t r = 0; xs != K && r < N; ++r) std::copy(xp + r * K, xp + (r + 1) * K, padded.data() + r * xs);
   const T* x = xs == K ? xp : padded.data();
-  // items: (panel p, group of rows); the rows are cut in two groups when the panels do not split evenly over the
-  // threads (9 panels on 2 threads: 5 and 4, where 18 items give 9 and 9), as in int8_gemm.cpp
-  const int64_t threads = at::get_num_threads(), tiles = (N + kMR - 1) / kMR;
-  const int64_t G = threads > 1 && P % threads != 0 && tiles >= 2 ? 2 : 1, group = (tiles + G - 1) / G * kMR;
-  at::parallel_for(0, P * G, 1, [&](int64_t begin, int64_t end) {
+  roseinfer::for_each_panel_tile(P, N, [&](int64_t p, int64_t r0, int64_t mr) {
     alignas(64) float acc[kMR * kPanel];
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t p = item / G, c0 = p * kPanel, nc = std::min(kPanel, O - c0);
-      const int64_t r_end = std::min(N, (item % G + 1) * group);
-      for (int64_t r0 = item % G * group; r0 < r_end; r0 += kMR) {
-        const int64_t mr = std::min(kMR, r_end - r0);
-        run_tile<T>(mr, x + r0 * xs, xs, wp + p * Kp * kPanel * kPack<T>, Kp, acc);
-        for (int64_t r = 0; r < mr; ++r)
-          store_row<T>(acc + r * kPanel, bias ? bias + c0 : nullptr, op + (r0 + r) * O + c0, nc);
-      }
-    }
+    const int64_t c0 = p * kPanel, nc = std::min(kPanel, O - c0);
+    run_tile<T>(mr, x + r0 * xs, xs, wp + p * Kp * kPanel * kPack<T>, Kp, acc);
+    for (int64_t r = 0; r < mr; ++r)
+      store_row<T>(acc + r * kPanel, bias ? bias + c0 : nullptr, op + (r0 + r) * O + c0, nc);
   });
 }
 #endif
@@ -140,8 +130,6 @@ bool dense_gemm_available(at::ScalarType dtype) {
 #endif
   return false;
 }
-
-bool dense_gemm_available_op(at::ScalarType dtype) { return dense_gemm_available(dtype); }
 
 void dense_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                 const std::optional<at::Tensor>& bias) {
@@ -177,7 +165,7 @@ void dense_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(roseinfer, m) {
-  m.def("dense_gemm_available(ScalarType dtype) -> bool", &dense_gemm_available_op);
+  m.def("dense_gemm_available(ScalarType dtype) -> bool", &dense_gemm_available);
   m.def("dense_gemm(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()");
 }
 

@@ -19,6 +19,7 @@
 // apart from 128 rows on with one layer's weight in cache, and faster in the engine, where each weight comes from
 // memory, at a mixed step's 50-250 rows too (chapter 22, section 9.7).
 #include "int8_epilogue.h"  // includes vec_utils.h
+#include "panel_gemm.h"
 
 #include <torch/library.h>
 
@@ -26,8 +27,8 @@
 #include <vector>
 
 namespace {
-constexpr int64_t kPanel = 64;  // output columns per panel: 4 vectors of 16 int32
-constexpr int64_t kMR = 6;      // rows per tile: 6 x 4 accumulators + 4 weight vectors + a broadcast < 32 registers
+using roseinfer::kMR;
+using roseinfer::kPanel;  // 4 vectors of 16 int32
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512VNNI__)
 constexpr bool kHasVnni = true;
@@ -121,10 +122,6 @@ void int8_gemm(const at::Tensor& out, const at::Tensor& x_q, const at::Tensor& p
       _mm512_mask_storeu_epi8(xu.data() + r * xs + k, m, _mm512_xor_si512(v, sign));
     }
   const int64_t sx_step = x_scale.numel() == N ? 1 : 0;  // per token, or one static scale for every row
-  // items: (panel p, group of rows). The rows are cut in two groups when the panels do not split evenly over the
-  // threads (9 panels on 2 threads: 5 and 4, where 18 items give 9 and 9); each group then reads the panel again
-  const int64_t threads = at::get_num_threads(), tiles = (N + kMR - 1) / kMR;
-  const int64_t G = threads > 1 && P % threads != 0 && tiles >= 2 ? 2 : 1, group = (tiles + G - 1) / G * kMR;
   ROSEINFER_DISPATCH_FLOATS(out.scalar_type(), "int8_gemm", [&] {
     const int8_t* wp = packed.data_ptr<int8_t>();
     const int32_t* cp = comp.data_ptr<int32_t>();
@@ -132,19 +129,13 @@ void int8_gemm(const at::Tensor& out, const at::Tensor& x_q, const at::Tensor& p
     const float* swp = weight_scale.data_ptr<float>();
     const scalar_t* bp = bias ? bias->data_ptr<scalar_t>() : nullptr;
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, P * G, 1, [&](int64_t begin, int64_t end) {
+    roseinfer::for_each_panel_tile(P, N, [&](int64_t p, int64_t r0, int64_t mr) {
       alignas(64) int32_t acc[kMR * kPanel];
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t p = item / G, c0 = p * kPanel, nc = std::min(kPanel, O - c0);
-        const int64_t r_end = std::min(N, (item % G + 1) * group);
-        for (int64_t r0 = item % G * group; r0 < r_end; r0 += kMR) {
-          const int64_t mr = std::min(kMR, r_end - r0);
-          run_tile(mr, xu.data() + r0 * xs, xs, wp + p * K4 * kPanel * 4, K4, cp + c0, acc);
-          for (int64_t r = 0; r < mr; ++r)
-            roseinfer::epilogue_row(acc + r * kPanel, sxp[(r0 + r) * sx_step], swp + c0, bp ? bp + c0 : nullptr,
-                                    op + (r0 + r) * O + c0, nc);
-        }
-      }
+      const int64_t c0 = p * kPanel, nc = std::min(kPanel, O - c0);
+      run_tile(mr, xu.data() + r0 * xs, xs, wp + p * K4 * kPanel * 4, K4, cp + c0, acc);
+      for (int64_t r = 0; r < mr; ++r)
+        roseinfer::epilogue_row(acc + r * kPanel, sxp[(r0 + r) * sx_step], swp + c0, bp ? bp + c0 : nullptr,
+                                op + (r0 + r) * O + c0, nc);
     });
   });
 #endif

@@ -48,20 +48,6 @@ inline int64_t grain_rows(int64_t elems_per_row) {
   return std::max<int64_t>(1, kParallelElems / std::max<int64_t>(1, elems_per_row));
 }
 
-// f(std::integral_constant<int, MR>{}) with MR = mr, 1 <= mr <= 6: a GEMM tile's row count as a compile-time
-// constant (int8_gemm.cpp, dense_gemm.cpp), so the tile's loops over its rows unroll
-template <typename F>
-inline void with_tile_rows(int64_t mr, const F& f) {
-  switch (mr) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    default: return f(std::integral_constant<int, 6>{});
-  }
-}
-
 // n (<= kW) elements of T, as floats (the lanes past n are 0)
 template <typename T>
 inline fVec load_f(const T* p, int64_t n = kW) {
