@@ -116,7 +116,6 @@ void attend(const KV<T, I>& kv, Rows& rows, int64_t t0, int64_t t1, Ahead<T> nex
   constexpr int64_t RB = NV == 0 ? 1 : NV <= 2 ? 8 : NV <= 4 ? 4 : 2, NA = NV ? NV : kMaxD / N;
   const int64_t R = rows.R, D = NV ? NV * N : rows.D, Dv = rows.Dv, nv = NV ? NV : Dv / N, J = kv.heads, Rj = R / J;
   const int64_t blocks = J * ((Rj + RB - 1) / RB);  // row blocks: each walks the chunk's tokens in steps 1 and 3
-  Vec a[RB][NA], x[NA];  // RB rows of q or acc; one K or V row
   for (int64_t c0 = t0; c0 < t1; c0 += kChunk) {
     const int64_t n = std::min(kChunk, t1 - c0), ahead = std::min(n + N, t1 - c0);
     kv.rows_at(c0, ahead, rows.off);  // rows.off[i]: token c0 + i's row
@@ -132,23 +131,23 @@ void attend(const KV<T, I>& kv, Rows& rows, int64_t t0, int64_t t1, Ahead<T> nex
         if (own) prefetch(kv.v + rows.off[tt + t], J * D);  // V of this token, needed in step 3
       }
       for (int64_t i = 0; i < J; ++i)
-        for (int64_t r0 = i * Rj; r0 < (i + 1) * Rj; r0 += RB) {
-          const int64_t rb = std::min(RB, (i + 1) * Rj - r0);
-          for (int64_t r = 0; r < RB; ++r)
-            if (r < rb)
+        for (int64_t r0 = i * Rj; r0 < (i + 1) * Rj; r0 += RB)
+          with_rows<RB>((i + 1) * Rj - r0, [&](auto RBc) {  // rb rows, a compile-time count: q in registers
+            constexpr int64_t rb = decltype(RBc)::value;
+            Vec a[rb][NA], x[NA];
+            for (int64_t r = 0; r < rb; ++r)
               for (int64_t c = 0; c < nv; ++c) a[r][c] = Vec::loadu(rows.q + (r0 + r) * Dv + c * N);
-          for (int64_t t = 0; t < nt; ++t) {
-            next.step();
-            const T* kp = kv.k + rows.off[tt + t] + i * D;
-            for (int64_t c = 0; c < nv; ++c) x[c] = load(kp + c * N, std::min(N, D - c * N));
-            for (int64_t r = 0; r < RB; ++r) {
-              if (r >= rb) continue;
-              Vec dot = a[r][0] * x[0];
-              for (int64_t c = 1; c < nv; ++c) dot = at::vec::fmadd(a[r][c], x[c], dot);
-              rows.part[(r0 + r) * N + t] = dot;  // D/N lanes still to add up
+            for (int64_t t = 0; t < nt; ++t) {
+              next.step();
+              const T* kp = kv.k + rows.off[tt + t] + i * D;
+              for (int64_t c = 0; c < nv; ++c) x[c] = load(kp + c * N, std::min(N, D - c * N));
+              for (int64_t r = 0; r < rb; ++r) {
+                Vec dot = a[r][0] * x[0];
+                for (int64_t c = 1; c < nv; ++c) dot = at::vec::fmadd(a[r][c], x[c], dot);
+                rows.part[(r0 + r) * N + t] = dot;  // D/N lanes still to add up
+              }
             }
-          }
-        }
+          });
       for (int64_t r = 0; r < R; ++r) {
         for (int64_t t = nt; t < N; ++t) rows.part[r * N + t] = Vec(0.f);
         sum_lanes(rows.part + r * N).store(rows.s + r * kChunk + tt, nt);  // N scores of row r, no hsum each
@@ -184,27 +183,26 @@ void attend(const KV<T, I>& kv, Rows& rows, int64_t t0, int64_t t1, Ahead<T> nex
     }
     // 3. acc[r] += P[r, t] * v[t], RB rows' acc in registers: each V row read once per RB rows
     for (int64_t i = 0; i < J; ++i)
-      for (int64_t r0 = i * Rj; r0 < (i + 1) * Rj; r0 += RB) {
-        const int64_t rb = std::min(RB, (i + 1) * Rj - r0);
-        int64_t tn = 0;  // tokens any of the rows sees (masked ones have P = 0)
-        for (int64_t r = 0; r < rb; ++r) tn = std::max(tn, std::clamp<int64_t>(rows.limit[r0 + r] - c0, 0, n));
-        for (int64_t r = 0; r < RB; ++r)
-          if (r < rb)
+      for (int64_t r0 = i * Rj; r0 < (i + 1) * Rj; r0 += RB)
+        with_rows<RB>((i + 1) * Rj - r0, [&](auto RBc) {  // rb rows' acc in registers
+          constexpr int64_t rb = decltype(RBc)::value;
+          int64_t tn = 0;  // tokens any of the rows sees (masked ones have P = 0)
+          for (int64_t r = 0; r < rb; ++r) tn = std::max(tn, std::clamp<int64_t>(rows.limit[r0 + r] - c0, 0, n));
+          Vec a[rb][NA], x[NA];
+          for (int64_t r = 0; r < rb; ++r)
             for (int64_t c = 0; c < nv; ++c) a[r][c] = Vec::loadu(rows.acc + (r0 + r) * Dv + c * N);
-        for (int64_t t = 0; t < tn; ++t) {
-          next.step();
-          const T* vp = kv.v + rows.off[t] + i * D;
-          for (int64_t c = 0; c < nv; ++c) x[c] = load(vp + c * N, std::min(N, D - c * N));
-          for (int64_t r = 0; r < RB; ++r) {
-            if (r >= rb) continue;
-            const Vec p(rows.s[(r0 + r) * kChunk + t]);
-            for (int64_t c = 0; c < nv; ++c) a[r][c] = at::vec::fmadd(p, x[c], a[r][c]);
+          for (int64_t t = 0; t < tn; ++t) {
+            next.step();
+            const T* vp = kv.v + rows.off[t] + i * D;
+            for (int64_t c = 0; c < nv; ++c) x[c] = load(vp + c * N, std::min(N, D - c * N));
+            for (int64_t r = 0; r < rb; ++r) {
+              const Vec p(rows.s[(r0 + r) * kChunk + t]);
+              for (int64_t c = 0; c < nv; ++c) a[r][c] = at::vec::fmadd(p, x[c], a[r][c]);
+            }
           }
-        }
-        for (int64_t r = 0; r < RB; ++r)
-          if (r < rb)
+          for (int64_t r = 0; r < rb; ++r)
             for (int64_t c = 0; c < nv; ++c) a[r][c].store(rows.acc + (r0 + r) * Dv + c * N);
-      }
+        });
   }
 }
 

@@ -103,6 +103,15 @@ inline Vec sum_lanes(const Vec* v) {
 #endif
 }
 
+// f(std::integral_constant<int64_t, min(n, RB)>{}): a block of rows whose count the compiler knows, so that their
+// vectors stay in registers and its loops over rows unroll with no test of a row against the count
+template <int64_t RB, typename F>
+inline void with_rows(int64_t n, const F& f) {
+  if constexpr (RB > 1)
+    if (n < RB) return with_rows<RB - 1>(n, f);
+  f(std::integral_constant<int64_t, RB>{});
+}
+
 // ask for a row's cache lines ahead of use: blocks are scattered, the prefetcher can't guess. Into L2 (locality
 // 2, prefetcht1), not L1: a token's K and V rows are 24 cache lines at SmolLM2's shapes in fp32, and asking for
 // them in L1 measured slower (decode of 32 sequences from memory, bench_attention.py: L2 is 1.2x at 1 thread,
