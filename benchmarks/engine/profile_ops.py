@@ -66,7 +66,7 @@ def main() -> None:
     top += [r["op"] for r in profiles["decode"][: args.top] if r["op"] not in top]
     by_op = {name: {r["op"]: r for r in rows} for name, rows in profiles.items()}
     print(f"{'':<36} {'run (prefill + decode)':>30} {'decode (prompts cached)':>30}")
-    print(f"{'op':<36} " + f"{'share':>8} {'self ms':>10} {'calls':>10} " * 2)
+    print((f"{'op':<36} " + f"{'share':>8} {'self ms':>10} {'calls':>10} " * 2).rstrip())
     for op in top:
         cells = [by_op[name].get(op, dict(share=0.0, self_ms=0.0, calls=0)) for name in ("run", "decode")]
         print(f"{op:<36} " + " ".join(f"{c['share']:>8.1%} {c['self_ms']:>10.1f} {c['calls']:>10}" for c in cells))
