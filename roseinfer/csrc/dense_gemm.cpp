@@ -90,7 +90,7 @@ inline void tile(const T* x, int64_t xs, const T* panel, int64_t Kp, float* acc)
 
 template <typename T>
 inline void run_tile(int64_t mr, const T* x, int64_t xs, const T* panel, int64_t Kp, float* acc) {
-  roseinfer::with_tile_rows(mr, [&](auto MR) { tile<MR, T>(x, xs, panel, Kp, acc); });  // mr <= kMR
+  roseinfer::with_count<kMR>(mr, [&](auto MR) { tile<MR, T>(x, xs, panel, Kp, acc); });  // mr <= kMR
 }
 
 // one row of out: acc (+ bias, added in fp32) rounded to T once

@@ -84,7 +84,7 @@ inline void tile(const uint8_t* x, int64_t xs, const int8_t* panel, int64_t K4, 
 
 inline void run_tile(int64_t mr, const uint8_t* x, int64_t xs, const int8_t* panel, int64_t K4, const int32_t* comp,
                      int32_t* acc) {
-  roseinfer::with_tile_rows(mr, [&](auto MR) { tile<MR>(x, xs, panel, K4, comp, acc); });  // mr <= kMR
+  roseinfer::with_count<kMR>(mr, [&](auto MR) { tile<MR>(x, xs, panel, K4, comp, acc); });  // mr <= kMR
 }
 #else
 constexpr bool kHasVnni = false;

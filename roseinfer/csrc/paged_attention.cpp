@@ -132,7 +132,7 @@ void attend(const KV<T, I>& kv, Rows& rows, int64_t t0, int64_t t1, Ahead<T> nex
       }
       for (int64_t i = 0; i < J; ++i)
         for (int64_t r0 = i * Rj; r0 < (i + 1) * Rj; r0 += RB)
-          with_rows<RB>((i + 1) * Rj - r0, [&](auto RBc) {  // rb rows, a compile-time count: q in registers
+          roseinfer::with_count<RB>((i + 1) * Rj - r0, [&](auto RBc) {  // rb rows, a compile-time count: q in registers
             constexpr int64_t rb = decltype(RBc)::value;
             Vec a[rb][NA], x[NA];
             for (int64_t r = 0; r < rb; ++r)
@@ -184,7 +184,7 @@ void attend(const KV<T, I>& kv, Rows& rows, int64_t t0, int64_t t1, Ahead<T> nex
     // 3. acc[r] += P[r, t] * v[t], RB rows' acc in registers: each V row read once per RB rows
     for (int64_t i = 0; i < J; ++i)
       for (int64_t r0 = i * Rj; r0 < (i + 1) * Rj; r0 += RB)
-        with_rows<RB>((i + 1) * Rj - r0, [&](auto RBc) {  // rb rows' acc in registers
+        roseinfer::with_count<RB>((i + 1) * Rj - r0, [&](auto RBc) {  // rb rows' acc in registers
           constexpr int64_t rb = decltype(RBc)::value;
           int64_t tn = 0;  // tokens any of the rows sees (masked ones have P = 0)
           for (int64_t r = 0; r < rb; ++r) tn = std::max(tn, std::clamp<int64_t>(rows.limit[r0 + r] - c0, 0, n));

@@ -17,6 +17,8 @@
 
 #include <type_traits>
 
+#include "static_count.h"
+
 namespace {  // internal linkage: a second build of the kernels (bench_attention's old kernel) cannot clash with them
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t N = Vec::size();  // floats per vector register: 16 with AVX-512
@@ -101,15 +103,6 @@ inline Vec sum_lanes(const Vec* v) {
   for (int64_t i = 0; i < N; ++i) s[i] = at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, v[i]);
   return Vec::loadu(s);
 #endif
-}
-
-// f(std::integral_constant<int64_t, min(n, RB)>{}): a block of rows whose count the compiler knows, so that their
-// vectors stay in registers and its loops over rows unroll with no test of a row against the count
-template <int64_t RB, typename F>
-inline void with_rows(int64_t n, const F& f) {
-  if constexpr (RB > 1)
-    if (n < RB) return with_rows<RB - 1>(n, f);
-  f(std::integral_constant<int64_t, RB>{});
 }
 
 // ask for a row's cache lines ahead of use: blocks are scattered, the prefetcher can't guess. Into L2 (locality

@@ -1,26 +1,14 @@
 // What the two GEMMs over a weight packed in panels of 64 outputs share (int8_gemm.cpp, dense_gemm.cpp): the tile
-// size, the tile's row count as a compile-time constant, and the split of the (panel, row tile) work over threads.
+// size and the split of the (panel, row tile) work over threads. A tile's row count reaches its kernel as a
+// compile-time constant through with_count<kMR> (static_count.h).
 #pragma once
+#include "static_count.h"
 #include "vec_utils.h"
 
 namespace roseinfer {
 
 constexpr int64_t kPanel = 64;  // output columns per panel: 4 vectors of 16 32-bit lanes
 constexpr int64_t kMR = 6;      // rows per tile: 6 x 4 accumulators + 4 weight vectors + a broadcast < 32 registers
-
-// f(std::integral_constant<int, MR>{}) with MR = mr, 1 <= mr <= kMR: the tile's row count as a compile-time
-// constant, so the tile's loops over its rows unroll
-template <typename F>
-inline void with_tile_rows(int64_t mr, const F& f) {
-  switch (mr) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    default: return f(std::integral_constant<int, 6>{});
-  }
-}
 
 // f(p, r0, mr) for every panel p < P and every tile of mr <= kMR rows from row r0 of N, in parallel. Threads
 // split the panels; the rows are cut in two groups when the panels do not split evenly over the threads (9 panels
